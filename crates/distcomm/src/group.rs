@@ -1,0 +1,411 @@
+//! The process group: what users call.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::dtype::{DType, Element};
+use crate::env::JobEnv;
+use crate::error::{Error, Result};
+use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::transport::tcp::{Engine, EngineConfig};
+use crate::transport::{advertise_ip, connect_mesh};
+use crate::work::{BoxBuf, Driver, Status, Work};
+
+/// Largest user tag. Tags above it are refused with [`Error::TagOutOfRange`].
+pub const MAX_TAG: u32 = i32::MAX as u32;
+
+/// Default deadline of blocking calls (override with `DISTCOMM_TIMEOUT` in seconds, or
+/// [`GroupBuilder::timeout`]).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+const CTX_USER: u32 = 0;
+const CTX_BARRIER: u32 = 1;
+
+/// Builds a [`ProcessGroup`] explicitly, or from the environment with [`GroupBuilder::from_env`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// # fn main() -> distcomm::Result<()> {
+/// let group = distcomm::GroupBuilder::new(0, 2)
+///     .store_addr("127.0.0.1:29500")
+///     .timeout(Duration::from_secs(60))
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct GroupBuilder {
+    rank: usize,
+    world: usize,
+    local_world: Option<usize>,
+    store_addr: String,
+    host_store: Option<bool>,
+    timeout: Option<Duration>,
+}
+
+impl GroupBuilder {
+    /// A group where this process is `rank` of `world`. The store defaults to
+    /// `127.0.0.1:29500`, hosted by rank 0.
+    pub fn new(rank: usize, world: usize) -> Self {
+        GroupBuilder {
+            rank,
+            world,
+            local_world: None,
+            store_addr: format!("127.0.0.1:{}", crate::env::DEFAULT_MASTER_PORT),
+            host_store: None,
+            timeout: None,
+        }
+    }
+
+    /// Everything from the launcher's environment (see [`JobEnv::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        let job = JobEnv::from_env()?;
+        let mut b = GroupBuilder::new(job.rank, job.world)
+            .store_addr(&format_host_port(&job.master_addr, job.master_port));
+        b.local_world = Some(job.local_world);
+        if job.agent_store {
+            b = b.host_store(false);
+        }
+        Ok(b)
+    }
+
+    /// The rendezvous store's `host:port`.
+    pub fn store_addr(mut self, addr: &str) -> Self {
+        self.store_addr = addr.to_string();
+        self
+    }
+
+    /// Whether this rank hosts the store (default: rank 0 does).
+    pub fn host_store(mut self, host: bool) -> Self {
+        self.host_store = Some(host);
+        self
+    }
+
+    /// Default deadline of every blocking call and of `Work::wait`.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = Some(t);
+        self
+    }
+
+    /// Ranks on this host (decides whether waiters may spin). Defaults to the world size.
+    pub fn local_world(mut self, n: usize) -> Self {
+        self.local_world = Some(n);
+        self
+    }
+
+    /// Rendezvous, connect the mesh, and return the group.
+    pub fn build(self) -> Result<ProcessGroup> {
+        if self.world == 0 || self.rank >= self.world {
+            return Err(Error::Config(format!(
+                "rank {} is not inside a world of {}",
+                self.rank, self.world
+            )));
+        }
+        let timeout = match self.timeout {
+            Some(t) => t,
+            None => env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+        };
+        let (host, _) = split_host_port(&self.store_addr)?;
+        let server = if self.host_store.unwrap_or(self.rank == 0) {
+            let ip = advertise_ip(&host)?;
+            let bind_host = if ip.is_loopback() { "127.0.0.1" } else { "0.0.0.0" };
+            let (_, port) = split_host_port(&self.store_addr)?;
+            Some(TcpStoreServer::bind(&format!("{bind_host}:{port}"))?)
+        } else {
+            None
+        };
+        let client: Arc<dyn Store> = Arc::new(TcpStore::connect(&self.store_addr, timeout)?);
+        // torch's worker count: lets a torch-style host see everyone join.
+        client.add("init/", 1)?;
+        let store = PrefixStore::new("distcomm", client);
+        let ip: IpAddr = advertise_ip(&host)?;
+        let streams = connect_mesh(&store, self.rank, self.world, ip, timeout)?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let local = self.local_world.unwrap_or(self.world);
+        let spin = match env_u64("DISTCOMM_SPIN_US")? {
+            Some(us) => Duration::from_micros(us),
+            None if local <= cores => Duration::from_millis(2),
+            None => Duration::ZERO,
+        };
+        let eager_max = env_u64("DISTCOMM_EAGER_MAX")?.unwrap_or(64 * 1024) as usize;
+        let engine = Engine::start(self.rank, streams, EngineConfig { eager_max, spin })?;
+        let group = ProcessGroup {
+            rank: self.rank,
+            world: self.world,
+            timeout,
+            engine,
+            _store: store,
+            _server: server,
+        };
+        // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
+        group.barrier()?;
+        Ok(group)
+    }
+}
+
+fn env_u64(name: &str) -> Result<Option<u64>> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::Config(format!("{name}={v:?} is not a whole number"))),
+        _ => Ok(None),
+    }
+}
+
+fn env_duration_secs(name: &str) -> Result<Option<Duration>> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(|s| Some(Duration::from_secs_f64(s)))
+            .ok_or_else(|| Error::Config(format!("{name}={v:?} is not a positive number of seconds"))),
+        _ => Ok(None),
+    }
+}
+
+fn format_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+fn split_host_port(addr: &str) -> Result<(String, u16)> {
+    let (h, p) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| Error::Config(format!("store address {addr:?} is not host:port")))?;
+    let port = p
+        .parse()
+        .map_err(|_| Error::Config(format!("store address {addr:?} has a bad port")))?;
+    Ok((h.trim_start_matches('[').trim_end_matches(']').to_string(), port))
+}
+
+/// Initialises the world group from the launcher's environment (torchrun, `distcomm launch`,
+/// mpirun, srun).
+///
+/// ```no_run
+/// # fn main() -> distcomm::Result<()> {
+/// let group = distcomm::init()?;
+/// println!("rank {} of {}", group.rank(), group.size());
+/// # Ok(()) }
+/// ```
+pub fn init() -> Result<ProcessGroup> {
+    GroupBuilder::from_env()?.build()
+}
+
+/// A group of ranks that can exchange messages.
+///
+/// Buffers are passed by ownership to the nonblocking calls and handed back by
+/// [`Work::into_buffer`]; the blocking calls borrow slices and copy.
+pub struct ProcessGroup {
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    engine: Arc<Engine>,
+    _store: PrefixStore,
+    _server: Option<TcpStoreServer>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("transport", &self.transport())
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.world
+    }
+
+    /// Name of the transport that carries this group's messages.
+    pub fn transport(&self) -> &'static str {
+        "tcp"
+    }
+
+    /// Default deadline of blocking calls.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.world {
+            return Err(Error::InvalidRank {
+                op,
+                rank: self.rank,
+                peer,
+                world: self.world,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_tag(&self, op: &'static str, tag: u32) -> Result<()> {
+        if tag > MAX_TAG {
+            return Err(Error::TagOutOfRange {
+                op,
+                rank: self.rank,
+                tag,
+                max: MAX_TAG,
+            });
+        }
+        Ok(())
+    }
+
+    fn driver(&self) -> Arc<dyn Driver> {
+        self.engine.clone()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_send<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        dst: usize,
+        ctx: u32,
+        tag: u32,
+    ) -> Result<Work<B>> {
+        self.check_peer(op, dst)?;
+        let (id, cell) = self.engine.isend(op, buf, dtype, dst, ctx, tag);
+        Ok(Work::new(cell, self.driver(), id, op, Some(dst), self.timeout))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_recv<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        src: Option<usize>,
+        ctx: u32,
+        tag: u32,
+    ) -> Result<Work<B>> {
+        if let Some(s) = src {
+            self.check_peer(op, s)?;
+        }
+        let (id, cell) = self.engine.irecv(op, buf, dtype, src, ctx, tag);
+        Ok(Work::new(cell, self.driver(), id, op, src, self.timeout))
+    }
+
+    /// Starts sending `buf` to `dst`; returns at once. The buffer comes back from
+    /// [`Work::into_buffer`] when the receiver has taken the message.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// # let group = distcomm::init()?;
+    /// let work = group.isend(vec![1.0f32, 2.0], 1, 0)?;
+    /// let buf: Vec<f32> = work.into_buffer()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
+        self.check_tag("isend", tag)?;
+        self.post_send("isend", Box::new(buf), T::DTYPE, dst, CTX_USER, tag)
+    }
+
+    /// Starts receiving into `buf` from `src`; returns at once. A message longer than `buf` fails
+    /// both sides with [`Error::MessageTooLarge`]; a shorter one fills a prefix (the status says
+    /// how many bytes).
+    pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
+        self.check_tag("irecv", tag)?;
+        self.post_recv("irecv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag)
+    }
+
+    /// Like [`irecv`](Self::irecv) from whichever rank sends first with `tag`; the status names
+    /// the source.
+    pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
+        self.check_tag("irecv", tag)?;
+        self.post_recv("irecv", Box::new(buf), T::DTYPE, None, CTX_USER, tag)
+    }
+
+    /// Sends raw bytes (element type `bytes`).
+    pub fn isend_bytes(&self, buf: Vec<u8>, dst: usize, tag: u32) -> Result<Work<Vec<u8>>> {
+        self.check_tag("isend", tag)?;
+        self.post_send("isend", Box::new(buf), DType::Bytes, dst, CTX_USER, tag)
+    }
+
+    /// Receives raw bytes; accepts a message of any element type.
+    pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
+        self.check_tag("irecv", tag)?;
+        self.post_recv("irecv", Box::new(buf), DType::Bytes, Some(src), CTX_USER, tag)
+    }
+
+    /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
+    /// to avoid the copy).
+    pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
+        self.check_tag("send", tag)?;
+        let mut w: Work<Vec<T>> =
+            self.post_send("send", Box::new(data.to_vec()), T::DTYPE, dst, CTX_USER, tag)?;
+        w.wait().map(|_| ())
+    }
+
+    /// Blocking receive into a slice; returns the source and byte count.
+    pub fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<Status> {
+        self.check_tag("recv", tag)?;
+        let buf = vec![T::zeroed(); out.len()];
+        let w = self.post_recv("recv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag)?;
+        finish_recv(w, out)
+    }
+
+    /// Blocking receive from any source.
+    pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
+        self.check_tag("recv", tag)?;
+        let buf = vec![T::zeroed(); out.len()];
+        let w = self.post_recv("recv", Box::new(buf), T::DTYPE, None, CTX_USER, tag)?;
+        finish_recv(w, out)
+    }
+
+    /// Blocks until every rank has entered the barrier (dissemination algorithm, ⌈log₂ n⌉
+    /// rounds of zero-byte messages).
+    pub fn barrier(&self) -> Result<()> {
+        let n = self.world;
+        let mut dist = 1;
+        let mut round = 0u32;
+        while dist < n {
+            let to = (self.rank + dist) % n;
+            let from = (self.rank + n - dist) % n;
+            let mut r: Work<Vec<u8>> =
+                self.post_recv("barrier", Box::new(Vec::<u8>::new()), DType::U8, Some(from), CTX_BARRIER, round)?;
+            let mut s: Work<Vec<u8>> =
+                self.post_send("barrier", Box::new(Vec::<u8>::new()), DType::U8, to, CTX_BARRIER, round)?;
+            r.wait()?;
+            s.wait()?;
+            dist *= 2;
+            round += 1;
+        }
+        Ok(())
+    }
+
+    /// Fails every pending operation of this group promptly with [`Error::Aborted`]; later
+    /// operations fail at once.
+    pub fn abort(&self) {
+        self.engine.abort("aborted by the user");
+    }
+
+    /// Why the connection to `peer` failed, if it has.
+    pub fn peer_failure(&self, peer: usize) -> Option<String> {
+        self.engine.peer_failure(peer)
+    }
+}
+
+fn finish_recv<T: Element>(mut w: Work<Vec<T>>, out: &mut [T]) -> Result<Status> {
+    let status = w.wait()?;
+    let buf = w.into_buffer()?;
+    let n = status.bytes / std::mem::size_of::<T>().max(1);
+    out[..n].copy_from_slice(&buf[..n]);
+    Ok(status)
+}

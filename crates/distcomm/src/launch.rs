@@ -1,0 +1,238 @@
+//! Starting the ranks of a job on this host, torchrun-style: each rank gets torchrun's
+//! variables, this process hosts the rendezvous store (as torchrun's agent does, so ranks are
+//! all clients: `TORCHELASTIC_USE_AGENT_STORE=True`), every output line is prefixed with its
+//! rank, and when one rank fails the others are stopped and the failure is named.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::rendezvous::TcpStoreServer;
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Ranks on this node.
+    pub nproc: usize,
+    /// Number of nodes.
+    pub nnodes: usize,
+    /// This node's index; node 0 hosts the store.
+    pub node_rank: usize,
+    /// Address of node 0.
+    pub master_addr: String,
+    /// Store port on node 0 (0: any free port, single node only).
+    pub master_port: u16,
+    /// Program and arguments.
+    pub program: OsString,
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank.
+    pub env: Vec<(OsString, OsString)>,
+    /// Kill everything and fail after this long.
+    pub timeout: Option<Duration>,
+}
+
+impl LaunchConfig {
+    /// `nproc` local ranks of `program` on one node, store on any free loopback port.
+    pub fn local(nproc: usize, program: impl Into<OsString>) -> Self {
+        LaunchConfig {
+            nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            timeout: None,
+        }
+    }
+}
+
+/// Describes how a process ended.
+pub fn describe_exit(status: &ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(code) = status.code() {
+        return format!("exited with code {code}");
+    }
+    match status.signal() {
+        Some(sig) => format!("was killed by signal {sig} ({})", signal_name(sig)),
+        None => "ended in an unknown way".into(),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGINT => "SIGINT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGPIPE => "SIGPIPE",
+        _ => "signal",
+    }
+}
+
+fn pump<R: Read + Send + 'static>(
+    src: R,
+    prefix: String,
+    to_stderr: bool,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(prefix.clone()).spawn(move || {
+        let mut r = BufReader::new(src);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if line.last() != Some(&b'\n') {
+                        line.push(b'\n');
+                    }
+                    let text = String::from_utf8_lossy(&line);
+                    // Output goes through print!/eprint! so the test harness's capture sees it.
+                    if to_stderr {
+                        eprint!("{prefix}{text}");
+                    } else {
+                        print!("{prefix}{text}");
+                        let _ = std::io::stdout().flush();
+                    }
+                }
+            }
+        }
+    })
+}
+
+fn signal(child: &Child, sig: i32) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped); no memory involved.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+/// Launches the ranks of this node and waits for them. Succeeds when every rank exits with
+/// code 0; otherwise stops the others (SIGTERM, then SIGKILL after 3 s) and returns
+/// [`Error::RankFailed`] naming the first rank that failed and how.
+pub fn launch(cfg: &LaunchConfig) -> Result<()> {
+    if cfg.nproc == 0 || cfg.nnodes == 0 || cfg.node_rank >= cfg.nnodes {
+        return Err(Error::Config(format!(
+            "cannot launch {} ranks on node {} of {}",
+            cfg.nproc, cfg.node_rank, cfg.nnodes
+        )));
+    }
+    let loopback = matches!(cfg.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1");
+    let (server, port) = if cfg.node_rank == 0 {
+        let bind = if loopback { "127.0.0.1" } else { "0.0.0.0" };
+        let s = TcpStoreServer::bind(&format!("{bind}:{}", cfg.master_port))?;
+        let p = s.local_addr().port();
+        (Some(s), p)
+    } else {
+        (None, cfg.master_port)
+    };
+    let world = cfg.nproc * cfg.nnodes;
+    let mut children: Vec<Option<Child>> = Vec::new();
+    let mut pumps = Vec::new();
+    let mut spawn_error = None;
+    for local in 0..cfg.nproc {
+        let rank = cfg.node_rank * cfg.nproc + local;
+        let mut cmd = Command::new(&cfg.program);
+        cmd.args(&cfg.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc.to_string())
+            .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        match cmd.spawn() {
+            Ok(mut child) => {
+                let prefix = format!("[rank{rank}]: ");
+                if let Some(out) = child.stdout.take() {
+                    pumps.extend(pump(out, prefix.clone(), false).ok());
+                }
+                if let Some(err) = child.stderr.take() {
+                    pumps.extend(pump(err, prefix, true).ok());
+                }
+                children.push(Some(child));
+            }
+            Err(e) => {
+                spawn_error = Some(Error::io(
+                    format!("start rank {rank} ({})", cfg.program.to_string_lossy()),
+                    e,
+                ));
+                break;
+            }
+        }
+    }
+    let started = Instant::now();
+    let mut failure: Option<Error> = spawn_error;
+    let mut running = children.iter().filter(|c| c.is_some()).count();
+    while running > 0 && failure.is_none() {
+        for (local, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            if let Ok(Some(status)) = child.try_wait() {
+                *slot = None;
+                running -= 1;
+                if !status.success() {
+                    failure = Some(Error::RankFailed {
+                        rank: cfg.node_rank * cfg.nproc + local,
+                        how: describe_exit(&status),
+                    });
+                    break;
+                }
+            }
+        }
+        if let Some(t) = cfg.timeout {
+            if failure.is_none() && started.elapsed() > t {
+                failure = Some(Error::Timeout {
+                    op: "launch",
+                    rank: cfg.node_rank * cfg.nproc,
+                    peer: None,
+                    after: t,
+                });
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if failure.is_some() {
+        stop_all(&mut children);
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    drop(server);
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn stop_all(children: &mut [Option<Child>]) {
+    for c in children.iter().flatten() {
+        signal(c, libc::SIGTERM);
+    }
+    let grace = Instant::now() + Duration::from_secs(3);
+    for c in children.iter_mut().flatten() {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= grace => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}

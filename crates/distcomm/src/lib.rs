@@ -1,0 +1,38 @@
+//! # distcomm
+//!
+//! The communication layer of distributed training: process groups, blocking and truly
+//! nonblocking point-to-point with waitable [`Work`] handles, a PyTorch-compatible rendezvous
+//! store, a TCP transport with its own progress engine, and a launcher.
+//!
+//! Layers (each knows only the one below):
+//! * [`group`]: the [`ProcessGroup`] API;
+//! * [`transport`]: how bytes move between two ranks (TCP mesh and progress engine);
+//! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
+//! * [`env`]: discovery of rank, world and master from torchrun / mpirun / srun variables;
+//! * [`launch`]: starting local ranks (used by `distcomm launch` and the test harness).
+//!
+//! ```no_run
+//! # fn main() -> distcomm::Result<()> {
+//! let group = distcomm::init()?; // e.g. under `distcomm launch -n 2 -- ./my_prog`
+//! let peer = 1 - group.rank();
+//! let mut recv = group.irecv(vec![0i64; 3], peer, 0)?;
+//! let send = group.isend(vec![group.rank() as i64; 3], peer, 0)?;
+//! recv.wait()?;
+//! assert_eq!(recv.into_buffer()?, vec![peer as i64; 3]);
+//! send.into_buffer()?;
+//! # Ok(()) }
+//! ```
+
+pub mod dtype;
+pub mod env;
+pub mod error;
+pub mod group;
+pub mod launch;
+pub mod rendezvous;
+pub mod transport;
+mod work;
+
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+pub use work::{Status, Work};

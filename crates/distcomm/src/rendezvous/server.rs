@@ -1,0 +1,319 @@
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, BufReader, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::proto::{self, *};
+use crate::error::{Error, Result};
+
+#[derive(Default)]
+struct Data {
+    map: HashMap<String, Vec<u8>>,
+    queues: HashMap<String, VecDeque<Vec<u8>>>,
+}
+
+impl Data {
+    fn ready(&self, keys: &[String]) -> bool {
+        keys.iter().all(|k| {
+            self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty())
+        })
+    }
+}
+
+struct Shared {
+    data: Mutex<Data>,
+    changed: Condvar,
+    stop: AtomicBool,
+    clients: Mutex<Vec<TcpStream>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Data> {
+        self.data.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A TCPStore server, wire-compatible with PyTorch's (torch ≥ 2.4 clients can use it).
+/// One thread per connection; stops and disconnects everyone when dropped.
+///
+/// ```
+/// use distcomm::rendezvous::TcpStoreServer;
+/// # fn main() -> distcomm::Result<()> {
+/// let server = TcpStoreServer::bind("127.0.0.1:0")?;
+/// println!("store at {}", server.local_addr());
+/// # Ok(()) }
+/// ```
+pub struct TcpStoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl TcpStoreServer {
+    /// Listens on `addr` (`host:port`; port 0 picks a free one) and serves in the background.
+    pub fn bind(addr: &str) -> Result<TcpStoreServer> {
+        let sa = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::io(format!("resolve store address {addr}"), e))?
+            .next()
+            .ok_or_else(|| Error::Config(format!("store address {addr} did not resolve")))?;
+        let listener =
+            TcpListener::bind(sa).map_err(|e| Error::io(format!("store: listen on {sa}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("store: local address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("store: nonblocking listener", e))?;
+        let shared = Arc::new(Shared {
+            data: Mutex::new(Data::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            clients: Mutex::new(Vec::new()),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("distcomm-store".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| Error::io("store: spawn", e))?;
+        Ok(TcpStoreServer {
+            addr: local,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.changed.notify_all();
+        for c in self.shared.clients.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
+    while !sh.stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_nodelay(true);
+                if let Ok(c) = stream.try_clone() {
+                    sh.clients.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+                }
+                let sh2 = sh.clone();
+                let _ = std::thread::Builder::new()
+                    .name("distcomm-store-client".into())
+                    .spawn(move || {
+                        // A client that breaks the protocol is simply disconnected.
+                        let _ = serve(stream, &sh2);
+                    });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+fn bad(msg: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
+}
+
+fn readable(stream: &TcpStream) -> bool {
+    let mut fd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on the stack, length 1, zero timeout; poll only writes revents.
+    unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+}
+
+fn serve(stream: TcpStream, sh: &Shared) -> io::Result<()> {
+    let mut w = stream.try_clone()?;
+    let mut r = BufReader::new(stream);
+    if proto::read_u8(&mut r)? != VALIDATE || proto::read_u32(&mut r)? != MAGIC {
+        return Err(bad("connection did not validate"));
+    }
+    loop {
+        let cmd = proto::read_u8(&mut r)?;
+        let mut out = Vec::new();
+        match cmd {
+            VALIDATE => {
+                if proto::read_u32(&mut r)? != MAGIC {
+                    return Err(bad("bad magic"));
+                }
+            }
+            PING => out.extend_from_slice(&proto::read_u32(&mut r)?.to_le_bytes()),
+            SET => {
+                let k = read_key(&mut r)?;
+                let v = read_bytes(&mut r, MAX_VALUE)?;
+                sh.lock().map.insert(k, v);
+                sh.changed.notify_all();
+            }
+            COMPARE_SET => {
+                let k = read_key(&mut r)?;
+                let expected = read_bytes(&mut r, MAX_VALUE)?;
+                let desired = read_bytes(&mut r, MAX_VALUE)?;
+                let mut d = sh.lock();
+                let now = match d.map.get(&k) {
+                    None if expected.is_empty() => {
+                        d.map.insert(k, desired.clone());
+                        desired
+                    }
+                    None => expected,
+                    Some(cur) if *cur == expected => {
+                        d.map.insert(k, desired.clone());
+                        desired
+                    }
+                    Some(cur) => cur.clone(),
+                };
+                drop(d);
+                sh.changed.notify_all();
+                put_bytes(&mut out, &now);
+            }
+            GET => {
+                let k = read_key(&mut r)?;
+                let d = sh.lock();
+                put_bytes(&mut out, d.map.get(&k).map(|v| v.as_slice()).unwrap_or(&[]));
+            }
+            ADD => {
+                let k = read_key(&mut r)?;
+                let delta = proto::read_i64(&mut r)?;
+                let mut d = sh.lock();
+                let cur = match d.map.get(&k) {
+                    None => 0,
+                    Some(v) => std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i64>().ok())
+                        .ok_or_else(|| bad("add on a value that is not an integer"))?,
+                };
+                let new = cur.wrapping_add(delta);
+                d.map.insert(k, new.to_string().into_bytes());
+                drop(d);
+                sh.changed.notify_all();
+                out.extend_from_slice(&new.to_le_bytes());
+            }
+            CHECK => {
+                let keys = read_keys(&mut r)?;
+                out.push(if sh.lock().ready(&keys) {
+                    CHECK_READY
+                } else {
+                    CHECK_NOT_READY
+                });
+            }
+            WAIT => {
+                let keys = read_keys(&mut r)?;
+                if wait_keys(sh, &keys, &mut r)? {
+                    out.push(STOP_WAITING);
+                } else {
+                    out.push(WAIT_CANCELED);
+                }
+            }
+            CANCEL_WAIT => out.push(WAIT_CANCELED),
+            GETNUMKEYS => out.extend_from_slice(&(sh.lock().map.len() as i64).to_le_bytes()),
+            DELETE_KEY => {
+                let k = read_key(&mut r)?;
+                let n = i64::from(sh.lock().map.remove(&k).is_some());
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+            APPEND => {
+                let k = read_key(&mut r)?;
+                let v = read_bytes(&mut r, MAX_VALUE)?;
+                let mut d = sh.lock();
+                let entry = d.map.entry(k).or_default();
+                if entry.len() as u64 + v.len() as u64 > MAX_VALUE {
+                    return Err(bad("append would exceed the value limit"));
+                }
+                entry.extend_from_slice(&v);
+                drop(d);
+                sh.changed.notify_all();
+            }
+            MULTI_GET => {
+                let keys = read_keys(&mut r)?;
+                let d = sh.lock();
+                for k in keys {
+                    put_bytes(&mut out, d.map.get(&k).map(|v| v.as_slice()).unwrap_or(&[]));
+                }
+            }
+            MULTI_SET => {
+                let n = proto::read_count(&mut r)?;
+                let mut pairs = Vec::new();
+                for _ in 0..n {
+                    pairs.push((read_key(&mut r)?, read_bytes(&mut r, MAX_VALUE)?));
+                }
+                sh.lock().map.extend(pairs);
+                sh.changed.notify_all();
+            }
+            QUEUE_PUSH => {
+                let k = read_key(&mut r)?;
+                let v = read_bytes(&mut r, MAX_VALUE)?;
+                sh.lock().queues.entry(k).or_default().push_back(v);
+                sh.changed.notify_all();
+            }
+            QUEUE_POP => {
+                let k = read_key(&mut r)?;
+                let mut d = sh.lock();
+                let q = d.queues.entry(k).or_default();
+                out.extend_from_slice(&(q.len() as i64).to_le_bytes());
+                if let Some(v) = q.pop_front() {
+                    put_bytes(&mut out, &v);
+                }
+            }
+            QUEUE_LEN => {
+                let k = read_key(&mut r)?;
+                let n = sh.lock().queues.get(&k).map_or(0, |q| q.len());
+                out.extend_from_slice(&(n as i64).to_le_bytes());
+            }
+            _ => return Err(bad("unknown command")),
+        }
+        if !out.is_empty() {
+            w.write_all(&out)?;
+        }
+    }
+}
+
+fn read_keys(r: &mut BufReader<TcpStream>) -> io::Result<Vec<String>> {
+    let n = proto::read_count(r)?;
+    (0..n).map(|_| read_key(r)).collect()
+}
+
+/// Blocks until `keys` exist (true) or the client sends CANCEL_WAIT (false).
+fn wait_keys(sh: &Shared, keys: &[String], r: &mut BufReader<TcpStream>) -> io::Result<bool> {
+    let mut d = sh.lock();
+    loop {
+        if d.ready(keys) {
+            return Ok(true);
+        }
+        if sh.stop.load(Ordering::Acquire) {
+            return Err(bad("server stopping"));
+        }
+        d = match sh.changed.wait_timeout(d, Duration::from_millis(20)) {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        };
+        if !r.buffer().is_empty() || readable(r.get_ref()) {
+            drop(d);
+            return match proto::read_u8(r)? {
+                CANCEL_WAIT => Ok(false),
+                _ => Err(bad("command sent while waiting")),
+            };
+        }
+    }
+}

@@ -1,0 +1,1116 @@
+//! The TCP transport: a full mesh of connections driven by one progress engine.
+//!
+//! # Protocol
+//! Messages up to `eager_max` bytes travel inline (`Eager`); the receiver answers `Ack` once a
+//! posted receive matched and took the data, or `Nack` when it refused it (too large, wrong
+//! element type), so **both** sides learn about a refusal. Larger messages use a receiver-ready
+//! handshake: `Rts` announces the size, the receiver answers `Cts` once a matching receive is
+//! posted, and only then does the sender stream `Data` straight into the receive buffer. Memory
+//! stays bounded whatever the posting order: an unmatched large message costs its 32-byte header,
+//! an unmatched small one at most `eager_max` bytes.
+//!
+//! # Progress
+//! All state lives behind one mutex. Three kinds of threads drive it:
+//! * the caller posting an operation writes what it can at once;
+//! * a waiter ([`crate::Work::wait`]) spins for a short budget, driving the sockets itself
+//!   (a blocking wake-up costs ~100 µs on small VMs, a spin a few µs) and then sleeps;
+//! * a background progress thread sleeps in `poll(2)` and moves everything else, so posted
+//!   operations progress with nobody waiting on them.
+//!
+//! While a waiter spins, the progress thread leaves the sockets to it (two threads fighting
+//! over the lock only cost time). When ranks outnumber cores the spin budget is zero.
+//!
+//! We use `poll(2)` through `libc` rather than mio: several threads drive the same sockets, and
+//! level-triggered readiness is what makes that safe (with mio's edge-triggered events a waiter
+//! that drained part of a socket would leave the progress thread asleep on unread data).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::frame::{Header, Kind, NackReason, HEADER_LEN};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::work::{block, BoxBuf, Driver, OpCell, Status};
+
+/// Tuning of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Largest message sent inline without a receiver-ready handshake.
+    pub eager_max: usize,
+    /// How long a waiter spins (driving progress) before it sleeps.
+    pub spin: Duration,
+}
+
+const RXBUF: usize = 256 * 1024;
+const READ_BUDGET: usize = 8 << 20;
+const MAX_IOV: usize = 64;
+
+struct Posted {
+    id: u64,
+    op: &'static str,
+    src: Option<usize>,
+    ctx: u32,
+    tag: u32,
+    dtype: DType,
+    buf: BoxBuf,
+    cell: Arc<OpCell>,
+}
+
+impl Posted {
+    fn matches(&self, src: usize, h: &Header) -> bool {
+        self.ctx == h.ctx && self.tag == h.tag && self.src.is_none_or(|s| s == src)
+    }
+}
+
+struct Unexpected {
+    src: usize,
+    hdr: Header,
+    /// The inline payload of an Eager message; `None` for an Rts.
+    data: Option<Vec<u8>>,
+}
+
+struct PendingSend {
+    op: &'static str,
+    dtype: DType,
+    dst: usize,
+    tag: u32,
+    len: usize,
+    cell: Arc<OpCell>,
+    /// The buffer while it is not queued for writing.
+    buf: Option<BoxBuf>,
+}
+
+struct Out {
+    hdr: [u8; HEADER_LEN],
+    kind: Kind,
+    payload: Option<BoxBuf>,
+    plen: usize,
+    send_id: Option<u64>,
+}
+
+enum Target {
+    Recv(Posted),
+    Temp(Vec<u8>),
+    Discard,
+}
+
+enum Rx {
+    Header,
+    Payload {
+        hdr: Header,
+        target: Target,
+        got: usize,
+    },
+}
+
+struct Peer {
+    stream: TcpStream,
+    out: VecDeque<Out>,
+    out_off: usize,
+    rx: Rx,
+    rxbuf: Box<[u8]>,
+    rx_start: usize,
+    rx_end: usize,
+    dead: Option<String>,
+}
+
+enum Fill {
+    Got(usize),
+    Empty,
+}
+
+impl Peer {
+    /// Reads into `dst`; `Err` means the connection is gone.
+    fn read_into(stream: &mut TcpStream, dst: &mut [u8]) -> std::result::Result<Fill, String> {
+        loop {
+            match stream.read(dst) {
+                Ok(0) => return Err("connection closed by peer".into()),
+                Ok(n) => return Ok(Fill::Got(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Fill::Empty),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    fn fill(&mut self) -> std::result::Result<Fill, String> {
+        if self.rx_start == self.rx_end {
+            self.rx_start = 0;
+            self.rx_end = 0;
+        } else if self.rx_start > 0 && self.rxbuf.len() - self.rx_end < HEADER_LEN {
+            self.rxbuf.copy_within(self.rx_start..self.rx_end, 0);
+            self.rx_end -= self.rx_start;
+            self.rx_start = 0;
+        }
+        let r = Self::read_into(&mut self.stream, &mut self.rxbuf[self.rx_end..])?;
+        if let Fill::Got(n) = r {
+            self.rx_end += n;
+        }
+        Ok(r)
+    }
+}
+
+struct State {
+    rank: usize,
+    eager_max: usize,
+    peers: Vec<Option<Peer>>,
+    posted: VecDeque<Posted>,
+    unexpected: VecDeque<Unexpected>,
+    sends: HashMap<u64, PendingSend>,
+    /// Large receives that answered Cts and wait for Data, by (source, msg_id), with the size
+    /// the sender announced.
+    rdv: HashMap<(usize, u64), (Posted, u64)>,
+    next_id: u64,
+    closed: Option<String>,
+}
+
+fn peer_lost(op: &'static str, rank: usize, peer: usize, reason: &str) -> Error {
+    Error::PeerLost {
+        op,
+        rank,
+        peer,
+        reason: reason.to_string(),
+    }
+}
+
+impl State {
+    fn alloc_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn dead_reason(&self, p: usize) -> Option<String> {
+        match self.peers.get(p) {
+            Some(Some(peer)) => peer.dead.clone(),
+            _ => None,
+        }
+    }
+
+    fn push_out(&mut self, p: usize, out: Out) {
+        if let Some(Some(peer)) = self.peers.get_mut(p) {
+            if peer.dead.is_none() {
+                peer.out.push_back(out);
+            }
+        }
+    }
+
+    fn ctrl(&mut self, p: usize, kind: Kind, msg_id: u64, aux: u32, len: u64, dtype: DType) {
+        let hdr = Header {
+            kind,
+            dtype,
+            ctx: 0,
+            tag: 0,
+            aux,
+            msg_id,
+            len,
+        };
+        self.push_out(
+            p,
+            Out {
+                hdr: hdr.encode(),
+                kind,
+                payload: None,
+                plen: 0,
+                send_id: None,
+            },
+        );
+    }
+
+    /// Checks a matched receive against a message header.
+    fn check(&self, r: &Posted, src: usize, h: &Header) -> std::result::Result<(), (Error, NackReason)> {
+        if r.dtype != DType::Bytes && r.dtype != h.dtype {
+            return Err((
+                Error::DTypeMismatch {
+                    op: r.op,
+                    rank: self.rank,
+                    src,
+                    dst: self.rank,
+                    tag: h.tag,
+                    sent: h.dtype,
+                    expected: r.dtype,
+                },
+                NackReason::DType,
+            ));
+        }
+        let cap = r.buf.bytes().len() as u64;
+        if h.len > cap {
+            return Err((
+                Error::MessageTooLarge {
+                    op: r.op,
+                    rank: self.rank,
+                    src,
+                    dst: self.rank,
+                    tag: h.tag,
+                    sent: h.len,
+                    capacity: cap,
+                },
+                NackReason::TooLarge,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Answers the sender of an eager message or Rts: Ack/Cts on success, Nack on refusal.
+    /// Self-sends are answered in place.
+    fn answer(&mut self, src: usize, h: &Header, refusal: Option<(NackReason, &Posted)>) {
+        let (kind, aux, len, dtype) = match refusal {
+            None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype),
+            None => (Kind::Ack, 0, 0, h.dtype),
+            Some((reason, r)) => (Kind::Nack, reason as u32, r.buf.bytes().len() as u64, r.dtype),
+        };
+        if src == self.rank {
+            let reply = Header {
+                kind,
+                dtype,
+                ctx: 0,
+                tag: 0,
+                aux,
+                msg_id: h.msg_id,
+                len,
+            };
+            // A self-send never uses Rts, so a reply is Ack or Nack; errors cannot occur.
+            let _ = self.on_header(src, reply);
+        } else {
+            self.ctrl(src, kind, h.msg_id, aux, len, dtype);
+        }
+    }
+
+    /// Delivers a fully received eager payload: into a matching posted receive, or into the
+    /// unexpected queue.
+    fn deliver_eager(&mut self, src: usize, h: Header, data: Vec<u8>) {
+        let pos = self.posted.iter().position(|r| r.matches(src, &h));
+        let Some(mut r) = pos.and_then(|i| self.posted.remove(i)) else {
+            self.unexpected.push_back(Unexpected {
+                src,
+                hdr: h,
+                data: Some(data),
+            });
+            return;
+        };
+        match self.check(&r, src, &h) {
+            Ok(()) => {
+                r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
+                self.answer(src, &h, None);
+                complete_recv(r, src, &h);
+            }
+            Err((e, reason)) => {
+                self.answer(src, &h, Some((reason, &r)));
+                r.cell.complete(Err(e), None);
+            }
+        }
+    }
+
+    /// Matches a newly posted receive against the unexpected queue, or queues it.
+    fn post_recv(&mut self, mut r: Posted) {
+        let pos = self.unexpected.iter().position(|u| r.matches(u.src, &u.hdr));
+        let Some(u) = pos.and_then(|i| self.unexpected.remove(i)) else {
+            if let Some(src) = r.src {
+                if let Some(reason) = self.dead_reason(src) {
+                    r.cell
+                        .complete(Err(peer_lost(r.op, self.rank, src, &reason)), None);
+                    return;
+                }
+            }
+            if let Some(reason) = &self.closed {
+                let e = Error::Aborted {
+                    op: r.op,
+                    rank: self.rank,
+                    reason: reason.clone(),
+                };
+                r.cell.complete(Err(e), None);
+                return;
+            }
+            self.posted.push_back(r);
+            return;
+        };
+        if let Err((e, reason)) = self.check(&r, u.src, &u.hdr) {
+            self.answer(u.src, &u.hdr, Some((reason, &r)));
+            r.cell.complete(Err(e), None);
+            return;
+        }
+        match u.data {
+            Some(data) => {
+                r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
+                self.answer(u.src, &u.hdr, None);
+                complete_recv(r, u.src, &u.hdr);
+            }
+            None => {
+                self.answer(u.src, &u.hdr, None);
+                self.rdv.insert((u.src, u.hdr.msg_id), (r, u.hdr.len));
+            }
+        }
+    }
+
+    fn protocol(&self, detail: String) -> std::result::Result<Rx, String> {
+        Err(format!("protocol violation: {detail}"))
+    }
+
+    /// Handles a decoded header from peer `p` (or a local reply for self-sends) and returns the
+    /// receive state that follows it.
+    fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
+        match h.kind {
+            Kind::Eager => {
+                let pos = self.posted.iter().position(|r| r.matches(p, &h));
+                let target = match pos.and_then(|i| self.posted.remove(i)) {
+                    None => Target::Temp(vec![0u8; h.len as usize]),
+                    Some(r) => match self.check(&r, p, &h) {
+                        Ok(()) => Target::Recv(r),
+                        Err((e, reason)) => {
+                            self.answer(p, &h, Some((reason, &r)));
+                            r.cell.complete(Err(e), None);
+                            Target::Discard
+                        }
+                    },
+                };
+                Ok(Rx::Payload {
+                    hdr: h,
+                    target,
+                    got: 0,
+                })
+            }
+            Kind::Rts => {
+                let pos = self.posted.iter().position(|r| r.matches(p, &h));
+                match pos.and_then(|i| self.posted.remove(i)) {
+                    None => self.unexpected.push_back(Unexpected {
+                        src: p,
+                        hdr: h,
+                        data: None,
+                    }),
+                    Some(r) => match self.check(&r, p, &h) {
+                        Ok(()) => {
+                            self.answer(p, &h, None);
+                            self.rdv.insert((p, h.msg_id), (r, h.len));
+                        }
+                        Err((e, reason)) => {
+                            self.answer(p, &h, Some((reason, &r)));
+                            r.cell.complete(Err(e), None);
+                        }
+                    },
+                }
+                Ok(Rx::Header)
+            }
+            Kind::Data => match self.rdv.remove(&(p, h.msg_id)) {
+                Some((r, announced)) if announced == h.len => Ok(Rx::Payload {
+                    hdr: Header { tag: r.tag, ..h },
+                    target: Target::Recv(r),
+                    got: 0,
+                }),
+                Some((r, announced)) => {
+                    let detail = format!("data of {} bytes after announcing {announced}", h.len);
+                    r.cell.complete(
+                        Err(Error::Protocol {
+                            rank: self.rank,
+                            peer: p,
+                            detail: detail.clone(),
+                        }),
+                        None,
+                    );
+                    self.protocol(detail)
+                }
+                None => self.protocol(format!("data for unknown message {}", h.msg_id)),
+            },
+            Kind::Cts => {
+                let Some(s) = self.sends.get_mut(&h.msg_id).filter(|s| s.dst == p) else {
+                    return self.protocol(format!("clear-to-send for unknown message {}", h.msg_id));
+                };
+                let Some(buf) = s.buf.take() else {
+                    return self.protocol(format!("second clear-to-send for message {}", h.msg_id));
+                };
+                let data = Header {
+                    kind: Kind::Data,
+                    dtype: h.dtype,
+                    ctx: 0,
+                    tag: 0,
+                    aux: 0,
+                    msg_id: h.msg_id,
+                    len: s.len as u64,
+                };
+                let plen = s.len;
+                self.push_out(
+                    p,
+                    Out {
+                        hdr: data.encode(),
+                        kind: Kind::Data,
+                        payload: Some(buf),
+                        plen,
+                        send_id: Some(h.msg_id),
+                    },
+                );
+                Ok(Rx::Header)
+            }
+            Kind::Ack | Kind::Nack => {
+                let Some(s) = self.sends.remove(&h.msg_id).filter(|s| s.dst == p) else {
+                    return self.protocol(format!("reply for unknown message {}", h.msg_id));
+                };
+                let result = if h.kind == Kind::Ack {
+                    Ok(Status {
+                        peer: p,
+                        tag: s.tag,
+                        bytes: s.len,
+                    })
+                } else if h.aux == NackReason::DType as u32 {
+                    Err(Error::DTypeMismatch {
+                        op: s.op,
+                        rank: self.rank,
+                        src: self.rank,
+                        dst: p,
+                        tag: s.tag,
+                        sent: s.dtype,
+                        expected: h.dtype,
+                    })
+                } else {
+                    Err(Error::MessageTooLarge {
+                        op: s.op,
+                        rank: self.rank,
+                        src: self.rank,
+                        dst: p,
+                        tag: s.tag,
+                        sent: s.len as u64,
+                        capacity: h.len,
+                    })
+                };
+                let buf = if result.is_ok() { s.buf } else { None };
+                s.cell.complete(result, buf);
+                Ok(Rx::Header)
+            }
+        }
+    }
+
+    fn on_payload_done(&mut self, p: usize, h: Header, target: Target) {
+        match target {
+            Target::Recv(r) => {
+                if h.kind == Kind::Eager {
+                    self.answer(p, &h, None);
+                }
+                complete_recv(r, p, &h);
+            }
+            Target::Temp(data) => self.deliver_eager(p, h, data),
+            Target::Discard => {}
+        }
+    }
+
+    /// Reads and dispatches everything peer `p` has sent, up to a budget.
+    fn pump_rx(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut progressed = false;
+        let mut budget = READ_BUDGET;
+        loop {
+            let Some(Some(peer)) = self.peers.get_mut(p) else {
+                return Ok(progressed);
+            };
+            let rx = std::mem::replace(&mut peer.rx, Rx::Header);
+            match rx {
+                Rx::Header => {
+                    if peer.rx_end - peer.rx_start >= HEADER_LEN {
+                        let mut raw = [0u8; HEADER_LEN];
+                        raw.copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + HEADER_LEN]);
+                        peer.rx_start += HEADER_LEN;
+                        let h = Header::decode(&raw, self.eager_max as u64)
+                            .map_err(|e| format!("protocol violation: {}", e.0))?;
+                        let next = self.on_header(p, h)?;
+                        if let Some(Some(peer)) = self.peers.get_mut(p) {
+                            peer.rx = next;
+                        }
+                        progressed = true;
+                        continue;
+                    }
+                    if budget == 0 {
+                        return Ok(progressed);
+                    }
+                    match peer.fill()? {
+                        Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Empty => return Ok(progressed),
+                    }
+                }
+                Rx::Payload {
+                    hdr,
+                    mut target,
+                    mut got,
+                } => {
+                    let total = hdr.payload_len() as usize;
+                    if got == total {
+                        self.on_payload_done(p, hdr, target);
+                        progressed = true;
+                        continue;
+                    }
+                    let dst: &mut [u8] = match &mut target {
+                        Target::Recv(r) => &mut r.buf.bytes_mut()[got..total],
+                        Target::Temp(v) => &mut v[got..total],
+                        Target::Discard => &mut [],
+                    };
+                    let avail = peer.rx_end - peer.rx_start;
+                    if avail > 0 {
+                        let n = avail.min(total - got);
+                        if !dst.is_empty() {
+                            dst[..n].copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + n]);
+                        }
+                        peer.rx_start += n;
+                        got += n;
+                        peer.rx = Rx::Payload { hdr, target, got };
+                        progressed = true;
+                        continue;
+                    }
+                    if budget == 0 {
+                        peer.rx = Rx::Payload { hdr, target, got };
+                        return Ok(progressed);
+                    }
+                    let r = if dst.len() >= RXBUF / 2 {
+                        Peer::read_into(&mut peer.stream, dst).map(|f| {
+                            if let Fill::Got(n) = f {
+                                got += n;
+                            }
+                            f
+                        })
+                    } else {
+                        peer.fill()
+                    };
+                    let r = match r {
+                        Ok(r) => r,
+                        Err(e) => {
+                            // Keep the partial receive so that mark_dead fails it.
+                            peer.rx = Rx::Payload { hdr, target, got };
+                            return Err(e);
+                        }
+                    };
+                    peer.rx = Rx::Payload { hdr, target, got };
+                    match r {
+                        Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Empty => return Ok(progressed),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes queued frames to peer `p` until the socket is full.
+    fn pump_tx(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut progressed = false;
+        loop {
+            let Some(Some(peer)) = self.peers.get_mut(p) else {
+                return Ok(progressed);
+            };
+            if peer.out.is_empty() {
+                return Ok(progressed);
+            }
+            let written = {
+                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+                let mut skip = peer.out_off;
+                for o in peer.out.iter() {
+                    if iov.len() + 2 > MAX_IOV {
+                        break;
+                    }
+                    let payload = o.payload.as_ref().map(|b| &b.bytes()[..o.plen]).unwrap_or(&[]);
+                    if skip < HEADER_LEN {
+                        iov.push(IoSlice::new(&o.hdr[skip..]));
+                        if !payload.is_empty() {
+                            iov.push(IoSlice::new(payload));
+                        }
+                    } else if skip - HEADER_LEN < payload.len() {
+                        iov.push(IoSlice::new(&payload[skip - HEADER_LEN..]));
+                    }
+                    skip = 0;
+                }
+                match peer.stream.write_vectored(&iov) {
+                    Ok(0) => return Err("connection closed while writing".into()),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progressed),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e.to_string()),
+                }
+            };
+            progressed = true;
+            let mut n = written;
+            let mut finished = Vec::new();
+            while n > 0 {
+                let Some(front) = peer.out.front() else { break };
+                let flen = HEADER_LEN + front.plen;
+                let left = flen - peer.out_off;
+                if n >= left {
+                    n -= left;
+                    peer.out_off = 0;
+                    if let Some(o) = peer.out.pop_front() {
+                        finished.push(o);
+                    }
+                } else {
+                    peer.out_off += n;
+                    n = 0;
+                }
+            }
+            // A zero-length tail frame has been written once its header has.
+            for o in finished {
+                self.frame_written(p, o);
+            }
+        }
+    }
+
+    fn frame_written(&mut self, p: usize, o: Out) {
+        let Some(id) = o.send_id else { return };
+        match o.kind {
+            Kind::Eager => {
+                if let Some(s) = self.sends.get_mut(&id) {
+                    s.buf = o.payload;
+                }
+            }
+            Kind::Data => {
+                if let Some(s) = self.sends.remove(&id) {
+                    let status = Status {
+                        peer: p,
+                        tag: s.tag,
+                        bytes: s.len,
+                    };
+                    s.cell.complete(Ok(status), o.payload);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Fails everything that depends on peer `p`.
+    fn mark_dead(&mut self, p: usize, reason: String) {
+        let rank = self.rank;
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return;
+        };
+        if peer.dead.is_some() {
+            return;
+        }
+        let _ = peer.stream.shutdown(Shutdown::Both);
+        peer.dead = Some(reason.clone());
+        peer.out.clear();
+        if let Rx::Payload {
+            target: Target::Recv(r),
+            ..
+        } = std::mem::replace(&mut peer.rx, Rx::Header)
+        {
+            r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+        }
+        let (lost, kept): (VecDeque<Posted>, VecDeque<Posted>) =
+            self.posted.drain(..).partition(|r| r.src == Some(p));
+        self.posted = kept;
+        for r in lost {
+            r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+        }
+        let keys: Vec<_> = self.rdv.keys().filter(|k| k.0 == p).copied().collect();
+        for k in keys {
+            if let Some((r, _)) = self.rdv.remove(&k) {
+                r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+            }
+        }
+        let ids: Vec<u64> = self.sends.iter().filter(|(_, s)| s.dst == p).map(|(k, _)| *k).collect();
+        for id in ids {
+            if let Some(s) = self.sends.remove(&id) {
+                s.cell.complete(Err(peer_lost(s.op, rank, p, &reason)), None);
+            }
+        }
+        self.unexpected.retain(|u| !(u.src == p && u.data.is_none()));
+    }
+
+    /// One sweep over every live peer. Returns whether anything moved.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        for p in 0..self.peers.len() {
+            let live = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none());
+            if !live {
+                continue;
+            }
+            let r = self
+                .pump_tx(p)
+                .and_then(|a| Ok(a | self.pump_rx(p)?))
+                .and_then(|a| Ok(a | self.pump_tx(p)?));
+            match r {
+                Ok(a) => any |= a,
+                Err(reason) => {
+                    self.mark_dead(p, reason);
+                    any = true;
+                }
+            }
+        }
+        any
+    }
+
+    fn abort_all(&mut self, reason: &str) {
+        let rank = self.rank;
+        self.closed = Some(reason.to_string());
+        let aborted = |op| Error::Aborted {
+            op,
+            rank,
+            reason: reason.to_string(),
+        };
+        for r in self.posted.drain(..) {
+            r.cell.complete(Err(aborted(r.op)), None);
+        }
+        for (_, (r, _)) in self.rdv.drain() {
+            r.cell.complete(Err(aborted(r.op)), None);
+        }
+        for (_, s) in self.sends.drain() {
+            s.cell.complete(Err(aborted(s.op)), None);
+        }
+        for peer in self.peers.iter_mut().flatten() {
+            peer.out.clear();
+            if let Rx::Payload {
+                target: Target::Recv(r),
+                ..
+            } = std::mem::replace(&mut peer.rx, Rx::Header)
+            {
+                r.cell.complete(Err(aborted(r.op)), None);
+            }
+        }
+    }
+}
+
+fn complete_recv(r: Posted, src: usize, h: &Header) {
+    let status = Status {
+        peer: src,
+        tag: h.tag,
+        bytes: h.len as usize,
+    };
+    r.cell.complete(Ok(status), Some(r.buf));
+}
+
+struct Shared {
+    rank: usize,
+    st: Mutex<State>,
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
+    spinning: AtomicUsize,
+    stop: AtomicBool,
+    spin: Duration,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn poke(&self) {
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    fn run_progress_thread(&self) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut owners: Vec<usize> = Vec::new();
+        while !self.stop.load(Ordering::Acquire) {
+            fds.clear();
+            owners.clear();
+            fds.push(libc::pollfd {
+                fd: self.wake_rx.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            let spinning = self.spinning.load(Ordering::Acquire) > 0;
+            if !spinning {
+                let st = self.lock();
+                for (p, peer) in st.peers.iter().enumerate() {
+                    if let Some(peer) = peer.as_ref().filter(|x| x.dead.is_none()) {
+                        let mut events = libc::POLLIN;
+                        if !peer.out.is_empty() {
+                            events |= libc::POLLOUT;
+                        }
+                        fds.push(libc::pollfd {
+                            fd: peer.stream.as_raw_fd(),
+                            events,
+                            revents: 0,
+                        });
+                        owners.push(p);
+                    }
+                }
+            }
+            let timeout_ms = if spinning { 1 } else { 100 };
+            // SAFETY: `fds` is a live, exclusively borrowed Vec of initialised pollfd structs and
+            // its length is passed alongside; poll(2) only writes the `revents` fields.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+            if n <= 0 {
+                continue;
+            }
+            if fds[0].revents != 0 {
+                let mut sink = [0u8; 64];
+                while matches!((&self.wake_rx).read(&mut sink), Ok(k) if k > 0) {}
+            }
+            if fds.len() > 1 {
+                self.lock().progress();
+            }
+        }
+    }
+}
+
+/// The TCP progress engine of one process.
+pub(crate) struct Engine {
+    sh: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Takes over a connected mesh (`streams[rank]` is `None`) and starts the progress thread.
+    pub(crate) fn start(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        cfg: EngineConfig,
+    ) -> Result<Arc<Engine>> {
+        let mut peers = Vec::with_capacity(streams.len());
+        for s in streams {
+            peers.push(match s {
+                None => None,
+                Some(stream) => {
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(|e| Error::io("set socket nonblocking", e))?;
+                    stream
+                        .set_nodelay(true)
+                        .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+                    Some(Peer {
+                        stream,
+                        out: VecDeque::new(),
+                        out_off: 0,
+                        rx: Rx::Header,
+                        rxbuf: vec![0u8; RXBUF].into_boxed_slice(),
+                        rx_start: 0,
+                        rx_end: 0,
+                        dead: None,
+                    })
+                }
+            });
+        }
+        let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::io("create wake pipe", e))?;
+        for s in [&wake_tx, &wake_rx] {
+            s.set_nonblocking(true)
+                .map_err(|e| Error::io("set wake pipe nonblocking", e))?;
+        }
+        let sh = Arc::new(Shared {
+            rank,
+            st: Mutex::new(State {
+                rank,
+                eager_max: cfg.eager_max,
+                peers,
+                posted: VecDeque::new(),
+                unexpected: VecDeque::new(),
+                sends: HashMap::new(),
+                rdv: HashMap::new(),
+                next_id: 0,
+                closed: None,
+            }),
+            wake_tx,
+            wake_rx,
+            spinning: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            spin: cfg.spin,
+        });
+        let sh2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("distcomm-progress-{rank}"))
+            .spawn(move || sh2.run_progress_thread())
+            .map_err(|e| Error::io("spawn progress thread", e))?;
+        Ok(Arc::new(Engine {
+            sh,
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// Posts a send. The buffer is owned by the engine until the returned cell completes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn isend(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        dst: usize,
+        ctx: u32,
+        tag: u32,
+    ) -> (u64, Arc<OpCell>) {
+        let cell = Arc::new(OpCell::default());
+        let mut st = self.sh.lock();
+        let id = st.alloc_id();
+        let len = buf.bytes().len();
+        let hdr = Header {
+            kind: Kind::Eager,
+            dtype,
+            ctx,
+            tag,
+            aux: 0,
+            msg_id: id,
+            len: len as u64,
+        };
+        let mut pending = PendingSend {
+            op,
+            dtype,
+            dst,
+            tag,
+            len,
+            cell: cell.clone(),
+            buf: None,
+        };
+        if let Some(reason) = st.closed.clone() {
+            let e = Error::Aborted {
+                op,
+                rank: self.sh.rank,
+                reason,
+            };
+            cell.complete(Err(e), None);
+            return (id, cell);
+        }
+        if dst == self.sh.rank {
+            let data = buf.bytes().to_vec();
+            pending.buf = Some(buf);
+            st.sends.insert(id, pending);
+            st.deliver_eager(dst, hdr, data);
+            return (id, cell);
+        }
+        if let Some(reason) = st.dead_reason(dst) {
+            cell.complete(Err(peer_lost(op, self.sh.rank, dst, &reason)), None);
+            return (id, cell);
+        }
+        let out = if len <= st.eager_max {
+            Out {
+                hdr: hdr.encode(),
+                kind: Kind::Eager,
+                payload: Some(buf),
+                plen: len,
+                send_id: Some(id),
+            }
+        } else {
+            pending.buf = Some(buf);
+            Out {
+                hdr: Header { kind: Kind::Rts, ..hdr }.encode(),
+                kind: Kind::Rts,
+                payload: None,
+                plen: 0,
+                send_id: None,
+            }
+        };
+        st.sends.insert(id, pending);
+        st.push_out(dst, out);
+        if let Err(reason) = st.pump_tx(dst) {
+            st.mark_dead(dst, reason);
+        }
+        let backlog = matches!(st.peers.get(dst), Some(Some(p)) if !p.out.is_empty());
+        drop(st);
+        if backlog {
+            self.sh.poke();
+        }
+        (id, cell)
+    }
+
+    /// Posts a receive from `src` (`None`: any source).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn irecv(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        src: Option<usize>,
+        ctx: u32,
+        tag: u32,
+    ) -> (u64, Arc<OpCell>) {
+        let cell = Arc::new(OpCell::default());
+        let mut st = self.sh.lock();
+        let id = st.alloc_id();
+        st.post_recv(Posted {
+            id,
+            op,
+            src,
+            ctx,
+            tag,
+            dtype,
+            buf,
+            cell: cell.clone(),
+        });
+        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        drop(st);
+        if backlog {
+            self.sh.poke();
+        }
+        (id, cell)
+    }
+
+    /// Fails every pending operation and refuses new ones.
+    pub(crate) fn abort(&self, reason: &str) {
+        self.sh.lock().abort_all(reason);
+        self.sh.poke();
+    }
+
+    /// Whether the connection to `peer` has failed, and why.
+    pub(crate) fn peer_failure(&self, peer: usize) -> Option<String> {
+        self.sh.lock().dead_reason(peer)
+    }
+}
+
+impl Driver for Engine {
+    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+        if !self.sh.spin.is_zero() {
+            self.sh.spinning.fetch_add(1, Ordering::AcqRel);
+            let spin_end = Instant::now() + self.sh.spin;
+            let stop = spin_end.min(deadline);
+            loop {
+                if cell.is_done() {
+                    break;
+                }
+                if let Ok(mut st) = self.sh.st.try_lock() {
+                    st.progress();
+                }
+                if cell.is_done() || Instant::now() >= stop {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            if self.sh.spinning.fetch_sub(1, Ordering::AcqRel) == 1 && !cell.is_done() {
+                self.sh.poke();
+            }
+            if cell.is_done() {
+                return true;
+            }
+        }
+        block(cell, deadline)
+    }
+
+    fn cancel(&self, op_id: u64) {
+        let mut st = self.sh.lock();
+        st.posted.retain(|r| r.id != op_id);
+    }
+
+    fn rank(&self) -> usize {
+        self.sh.rank
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.sh.stop.store(true, Ordering::Release);
+        self.sh.poke();
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+        let mut st = self.sh.lock();
+        // Let queued frames (acks, last sends) go out, then close politely: half-close, and
+        // drain until every peer has closed too, so that no unread data turns our close into a
+        // reset that would destroy data the peer has not read yet.
+        let linger = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < linger
+            && st
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| p.dead.is_none() && !p.out.is_empty())
+        {
+            st.progress();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        st.abort_all("process group shut down");
+        for peer in st.peers.iter_mut().flatten() {
+            if peer.dead.is_some() {
+                continue;
+            }
+            let _ = peer.stream.shutdown(Shutdown::Write);
+            let _ = peer.stream.set_nonblocking(false);
+            let left = linger.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+            let _ = peer.stream.set_read_timeout(Some(left));
+            let mut sink = [0u8; 4096];
+            while matches!(peer.stream.read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+}

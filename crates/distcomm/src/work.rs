@@ -1,0 +1,281 @@
+//! Work handles: the state of one posted operation, shared between the caller and the progress
+//! engine.
+//!
+//! A [`Work`] is terminal once the engine has recorded an outcome. The outcome is sticky: every
+//! `wait()` and `is_completed()` afterwards reports the same thing. The buffer of the operation is
+//! owned by the engine while the operation is in flight and handed back only by
+//! [`Work::into_buffer`] once the operation succeeded, so an in-flight buffer can never be read,
+//! written or freed by the caller — `std::mem::forget` on a handle merely leaks the buffer.
+
+use std::any::Any;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// What a finished operation reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Status {
+    /// The peer rank: the source for a receive, the destination for a send.
+    pub peer: usize,
+    /// The tag the message carried.
+    pub tag: u32,
+    /// Bytes transferred.
+    pub bytes: usize,
+}
+
+/// A buffer the engine can move bytes in and out of while it owns it.
+pub(crate) trait WireBuf: Send + 'static {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
+impl<T: crate::Element> WireBuf for Vec<T> {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.as_slice())
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(self.as_mut_slice())
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
+pub(crate) type BoxBuf = Box<dyn WireBuf>;
+
+#[derive(Default)]
+struct Slot {
+    result: Option<Result<Status>>,
+    buf: Option<BoxBuf>,
+    waker: Option<Waker>,
+}
+
+/// The completion cell shared by a handle and the engine.
+#[derive(Default)]
+pub(crate) struct OpCell {
+    done: AtomicBool,
+    slot: Mutex<Slot>,
+    cv: Condvar,
+}
+
+impl OpCell {
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        // A poisoned slot only means another thread panicked while holding it; the data is a
+        // plain Option and stays consistent.
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the terminal outcome. The first call wins; later calls are ignored.
+    pub(crate) fn complete(&self, result: Result<Status>, buf: Option<BoxBuf>) {
+        let waker = {
+            let mut slot = self.lock();
+            if slot.result.is_some() {
+                return;
+            }
+            slot.result = Some(result);
+            slot.buf = buf;
+            self.done.store(true, Ordering::Release);
+            slot.waker.take()
+        };
+        self.cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    fn result(&self) -> Option<Result<Status>> {
+        self.lock().result.clone()
+    }
+
+    /// Blocks on the condition variable until done or `deadline`.
+    fn block_until(&self, deadline: Instant) -> bool {
+        let mut slot = self.lock();
+        while slot.result.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            slot = match self.cv.wait_timeout(slot, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+        true
+    }
+}
+
+/// What a handle needs from whoever drives progress.
+pub(crate) trait Driver: Send + Sync {
+    /// Waits until `cell` is done or `deadline` passes, driving progress meanwhile.
+    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool;
+    /// Called when a pending handle is dropped: withdraw the operation if it has not started.
+    fn cancel(&self, op_id: u64);
+    /// Rank of this process, for error messages.
+    fn rank(&self) -> usize;
+}
+
+/// A handle to a nonblocking operation whose buffer is a `B` (for example `Vec<f32>`).
+///
+/// * [`wait`](Work::wait) blocks until the operation is terminal (bounded by the group's default
+///   timeout) and returns its [`Status`] or error;
+/// * [`wait_timeout`](Work::wait_timeout) bounds the wait; on timeout it returns
+///   [`Error::Timeout`], publishes nothing and leaves the operation pending, so it can be waited
+///   again;
+/// * [`is_completed`](Work::is_completed) never blocks;
+/// * the outcome is sticky; repeated calls return the same result;
+/// * `Work` is a [`Future`] whose output is the same result;
+/// * [`into_buffer`](Work::into_buffer) waits and gives the buffer back.
+///
+/// **Drop:** dropping a pending send lets it finish in the background (like `MPI_Request_free`);
+/// dropping a pending receive withdraws it if no message has matched it yet, otherwise the data
+/// is received into the (engine-owned) buffer and discarded. Either way the engine owns the
+/// memory, so nothing is ever written into freed memory.
+///
+/// ```no_run
+/// # fn main() -> distcomm::Result<()> {
+/// let group = distcomm::init()?;
+/// let peer = (group.rank() + 1) % group.size();
+/// let from = (group.rank() + group.size() - 1) % group.size();
+/// let mut recv = group.irecv(vec![0f32; 4], from, 7)?;
+/// let send = group.isend(vec![1f32; 4], peer, 7)?;
+/// let status = recv.wait()?;
+/// assert_eq!(status.bytes, 16);
+/// let data: Vec<f32> = recv.into_buffer()?;
+/// send.into_buffer()?;
+/// # Ok(()) }
+/// ```
+#[must_use = "a Work handle should be waited; dropping it detaches the operation"]
+pub struct Work<B> {
+    cell: Arc<OpCell>,
+    driver: Arc<dyn Driver>,
+    op_id: u64,
+    op: &'static str,
+    peer: Option<usize>,
+    default_timeout: Duration,
+    _buf: PhantomData<fn() -> B>,
+}
+
+impl<B: 'static> Work<B> {
+    pub(crate) fn new(
+        cell: Arc<OpCell>,
+        driver: Arc<dyn Driver>,
+        op_id: u64,
+        op: &'static str,
+        peer: Option<usize>,
+        default_timeout: Duration,
+    ) -> Self {
+        Work {
+            cell,
+            driver,
+            op_id,
+            op,
+            peer,
+            default_timeout,
+            _buf: PhantomData,
+        }
+    }
+
+    /// True once the operation is terminal (succeeded or failed). Never blocks.
+    pub fn is_completed(&self) -> bool {
+        self.cell.is_done()
+    }
+
+    /// Waits up to the group's default timeout.
+    pub fn wait(&mut self) -> Result<Status> {
+        self.wait_timeout(self.default_timeout)
+    }
+
+    /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Status> {
+        let deadline = Instant::now().checked_add(timeout);
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
+        if !self.cell.is_done() && !self.driver.drive_until(&self.cell, deadline) {
+            return Err(Error::Timeout {
+                op: self.op,
+                rank: self.driver.rank(),
+                peer: self.peer,
+                after: timeout,
+            });
+        }
+        match self.cell.result() {
+            Some(r) => r,
+            None => Err(Error::Timeout {
+                op: self.op,
+                rank: self.driver.rank(),
+                peer: self.peer,
+                after: timeout,
+            }),
+        }
+    }
+
+    /// Waits (group default timeout) and returns the buffer. A failed operation returns its error
+    /// and drops the buffer without publishing anything from it.
+    pub fn into_buffer(mut self) -> Result<B> {
+        self.wait()?;
+        let buf = self.cell.lock().buf.take();
+        let any = match buf {
+            Some(b) => b.into_any(),
+            None => {
+                return Err(Error::Aborted {
+                    op: self.op,
+                    rank: self.driver.rank(),
+                    reason: "buffer already taken".into(),
+                })
+            }
+        };
+        match any.downcast::<B>() {
+            Ok(b) => Ok(*b),
+            Err(_) => Err(Error::Aborted {
+                op: self.op,
+                rank: self.driver.rank(),
+                reason: "internal: buffer type changed".into(),
+            }),
+        }
+    }
+}
+
+impl<B> Drop for Work<B> {
+    fn drop(&mut self) {
+        if !self.cell.is_done() {
+            self.driver.cancel(self.op_id);
+        }
+    }
+}
+
+impl<B: 'static> Future for Work<B> {
+    type Output = Result<Status>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = self.cell.lock();
+        if let Some(r) = &slot.result {
+            return Poll::Ready(r.clone());
+        }
+        slot.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl<B> std::fmt::Debug for Work<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.op)
+            .field("peer", &self.peer)
+            .field("completed", &self.cell.is_done())
+            .finish()
+    }
+}
+
+pub(crate) fn block(cell: &OpCell, deadline: Instant) -> bool {
+    cell.block_until(deadline)
+}

@@ -1,0 +1,361 @@
+//! Point-to-point over real processes and real sockets.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{block_on, pattern, run};
+use distcomm::{Error, ProcessGroup, Work};
+
+const ALL: &[usize] = &[1, 2, 3, 4, 5];
+
+fn ring(g: &ProcessGroup) -> (usize, usize) {
+    let n = g.size();
+    ((g.rank() + 1) % n, (g.rank() + n - 1) % n)
+}
+
+fn exchange(g: &ProcessGroup, len: usize, send_first: bool, tag: u32) {
+    let (next, prev) = ring(g);
+    let out = pattern((g.rank() * 1000 + len) as u64, len);
+    let (mut s, mut r): (Work<Vec<u8>>, Work<Vec<u8>>);
+    if send_first {
+        s = g.isend(out.clone(), next, tag).unwrap();
+        r = g.irecv(vec![0u8; len], prev, tag).unwrap();
+    } else {
+        r = g.irecv(vec![0u8; len], prev, tag).unwrap();
+        s = g.isend(out.clone(), next, tag).unwrap();
+    }
+    let st = r.wait().unwrap();
+    assert_eq!((st.peer, st.bytes, st.tag), (prev, len, tag));
+    assert_eq!(s.wait().unwrap().bytes, len);
+    let got = r.into_buffer().unwrap();
+    assert!(got == pattern((prev * 1000 + len) as u64, len), "payload of {len} B from {prev} corrupted");
+    assert_eq!(s.into_buffer().unwrap(), out, "send buffer must come back intact");
+}
+
+#[test]
+fn isend_irecv_both_orders_all_sizes() {
+    run("isend_irecv_both_orders_all_sizes", ALL, |g| {
+        for (i, len) in [0usize, 1, 4096, 1 << 20, 64 << 20].into_iter().enumerate() {
+            exchange(g, len, true, i as u32);
+            exchange(g, len, false, 100 + i as u32);
+        }
+    });
+}
+
+#[test]
+fn ring_of_sends_before_receives_never_deadlocks() {
+    run("ring_of_sends_before_receives_never_deadlocks", &[2, 3, 5], |g| {
+        let (next, prev) = ring(g);
+        // Large messages posted before any receive: needs a real progress engine.
+        let sends: Vec<_> = (0..4).map(|t| g.isend(vec![t as f32; 3 << 20], next, t).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(50));
+        for t in 0..4 {
+            let mut out = vec![0f32; 3 << 20];
+            let st = g.recv(&mut out, prev, t).unwrap();
+            assert_eq!(st.bytes, 12 << 20);
+            assert!(out.iter().all(|&x| x == t as f32));
+        }
+        for s in sends {
+            s.into_buffer().unwrap();
+        }
+    });
+}
+
+#[test]
+fn blocking_send_recv_typed() {
+    run("blocking_send_recv_typed", &[2, 3], |g| {
+        let (next, prev) = ring(g);
+        let mut r = g.irecv(vec![0i64; 5], prev, 3).unwrap();
+        g.send(&[g.rank() as i64; 5], next, 3).unwrap();
+        r.wait().unwrap();
+        assert_eq!(r.into_buffer().unwrap(), vec![prev as i64; 5]);
+        let halfs = vec![half::bf16::from_f32(1.5); 7];
+        let mut r = g.irecv(vec![half::bf16::ZERO; 7], prev, 4).unwrap();
+        g.send(&halfs, next, 4).unwrap();
+        r.wait().unwrap();
+        assert_eq!(r.into_buffer().unwrap(), halfs);
+    });
+}
+
+#[test]
+fn many_outstanding_operations() {
+    run("many_outstanding_operations", &[2, 4], |g| {
+        let n = g.size();
+        let per = 300;
+        let mut recvs = Vec::new();
+        for p in (0..n).filter(|&p| p != g.rank()) {
+            for k in 0..per {
+                let len = (k * 37) % 5000;
+                recvs.push((p, k, len, g.irecv(vec![0u8; len], p, k as u32).unwrap()));
+            }
+        }
+        let mut sends = Vec::new();
+        for p in (0..n).filter(|&p| p != g.rank()) {
+            for k in 0..per {
+                let len = (k * 37) % 5000;
+                sends.push(g.isend(pattern((g.rank() * 7919 + k) as u64, len), p, k as u32).unwrap());
+            }
+        }
+        for (p, k, len, w) in recvs {
+            let got = w.into_buffer().unwrap();
+            assert_eq!(got, pattern((p * 7919 + k) as u64, len));
+        }
+        for s in sends {
+            s.into_buffer().unwrap();
+        }
+    });
+}
+
+#[test]
+fn any_source_reports_who_sent() {
+    run("any_source_reports_who_sent", &[1, 2, 3, 5], |g| {
+        if g.rank() == 0 {
+            let mut seen = Vec::new();
+            for _ in 0..g.size() - 1 {
+                let mut out = [0i32; 1];
+                let st = g.recv_any(&mut out, 9).unwrap();
+                assert_eq!(st.peer as i32, out[0]);
+                assert_eq!(st.bytes, 4);
+                seen.push(st.peer);
+            }
+            seen.sort();
+            assert_eq!(seen, (1..g.size()).collect::<Vec<_>>());
+        } else {
+            g.send(&[g.rank() as i32], 0, 9).unwrap();
+        }
+        g.barrier().unwrap();
+    });
+}
+
+#[test]
+fn tags_match_and_order_is_non_overtaking() {
+    run("tags_match_and_order_is_non_overtaking", &[2, 3], |g| {
+        let n = g.size();
+        if g.rank() != 0 {
+            // Interleave two tags, mixing eager and large messages.
+            let mut sends = Vec::new();
+            for i in 0..40u32 {
+                let len = if i % 7 == 0 { 100_000 } else { 3 };
+                let mut v = vec![0i32; len];
+                v[0] = i as i32;
+                sends.push(g.isend(v, 0, 1 + (i % 2)).unwrap());
+            }
+            for s in sends {
+                s.into_buffer().unwrap();
+            }
+        } else {
+            for src in 1..n {
+                // Everything with tag 2 first, then tag 1: each in the order it was posted.
+                for tag in [2u32, 1] {
+                    let mut last = None;
+                    for _ in 0..20 {
+                        let mut v = vec![0i32; 100_000];
+                        let st = g.recv(&mut v, src, tag).unwrap();
+                        assert_eq!(st.tag, tag);
+                        assert_eq!(v[0] % 2, tag as i32 - 1);
+                        if let Some(l) = last {
+                            assert!(v[0] > l, "message {} overtook {l}", v[0]);
+                        }
+                        last = Some(v[0]);
+                    }
+                }
+            }
+        }
+        g.barrier().unwrap();
+    });
+}
+
+#[test]
+fn wait_timeout_keeps_the_operation() {
+    run("wait_timeout_keeps_the_operation", &[2], |g| {
+        let peer = 1 - g.rank();
+        let mut r = g.irecv(vec![0u8; 16], peer, 5).unwrap();
+        assert!(!r.is_completed());
+        let t = Instant::now();
+        match r.wait_timeout(Duration::from_millis(100)) {
+            Err(Error::Timeout { peer: Some(p), .. }) => assert_eq!(p, peer),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        assert!(!r.is_completed());
+        g.barrier().unwrap();
+        let mut s = g.isend(vec![7u8; 16], peer, 5).unwrap();
+        let st = r.wait().unwrap();
+        assert_eq!(st.bytes, 16);
+        // Sticky: the same answer again, and completed.
+        assert_eq!(r.wait().unwrap(), st);
+        assert!(r.is_completed());
+        s.wait().unwrap();
+        assert_eq!(r.into_buffer().unwrap(), vec![7u8; 16]);
+    });
+}
+
+#[test]
+fn work_is_a_future() {
+    run("work_is_a_future", &[2], |g| {
+        let peer = 1 - g.rank();
+        let r = g.irecv(vec![0f64; 1000], peer, 1).unwrap();
+        let s = g.isend(vec![g.rank() as f64; 1000], peer, 1).unwrap();
+        let (a, b) = block_on(async { (r.await, s.await) });
+        assert_eq!(a.unwrap().bytes, 8000);
+        assert_eq!(b.unwrap().peer, peer);
+    });
+}
+
+#[test]
+fn dropped_receive_is_withdrawn() {
+    run("dropped_receive_is_withdrawn", &[2], |g| {
+        let peer = 1 - g.rank();
+        if g.rank() == 0 {
+            let r = g.irecv(vec![0u8; 4], peer, 2).unwrap();
+            drop(r);
+            g.barrier().unwrap();
+            let mut out = [0u8; 4];
+            g.recv(&mut out, peer, 2).unwrap();
+            assert_eq!(out, [1, 2, 3, 4]);
+        } else {
+            g.barrier().unwrap();
+            g.send(&[1u8, 2, 3, 4], peer, 2).unwrap();
+        }
+    });
+}
+
+#[test]
+fn invalid_rank_and_tag_are_typed_errors() {
+    run("invalid_rank_and_tag_are_typed_errors", &[1, 3], |g| {
+        let n = g.size();
+        match g.isend(vec![1u8], n, 0) {
+            Err(Error::InvalidRank { peer, world, op, .. }) => {
+                assert_eq!((peer, world, op), (n, n, "isend"))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(g.irecv(vec![1u8], n + 5, 0), Err(Error::InvalidRank { .. })));
+        assert!(matches!(
+            g.send(&[1u8], 0, distcomm::MAX_TAG + 1),
+            Err(Error::TagOutOfRange { .. })
+        ));
+        g.barrier().unwrap();
+    });
+}
+
+fn size_mismatch(g: &ProcessGroup, len: usize, tag: u32) {
+    let peer = 1 - g.rank();
+    if g.rank() == 0 {
+        let data = pattern(1, len);
+        let mut s = g.isend(data, peer, tag).unwrap();
+        match s.wait() {
+            Err(Error::MessageTooLarge { sent, capacity, src, dst, .. }) => {
+                assert_eq!((sent, capacity, src, dst), (len as u64, (len / 2) as u64, 0, 1))
+            }
+            other => panic!("sender of {len} B: {other:?}"),
+        }
+    } else {
+        let sentinel = vec![0xEEu8; len / 2];
+        let mut r = g.irecv(sentinel, peer, tag).unwrap();
+        match r.wait() {
+            Err(Error::MessageTooLarge { sent, capacity, .. }) => {
+                assert_eq!((sent, capacity), (len as u64, (len / 2) as u64))
+            }
+            other => panic!("receiver of {len} B: {other:?}"),
+        }
+        // Nothing is published: the failed receive gives no buffer back.
+        assert!(r.into_buffer().is_err());
+    }
+}
+
+#[test]
+fn oversized_message_fails_both_sides() {
+    run("oversized_message_fails_both_sides", &[2], |g| {
+        size_mismatch(g, 1000, 1); // eager
+        size_mismatch(g, 4 << 20, 2); // receiver-ready handshake
+        // The connection survives: normal traffic continues.
+        exchange_pair(g);
+    });
+}
+
+fn exchange_pair(g: &ProcessGroup) {
+    let peer = 1 - g.rank();
+    let mut r = g.irecv(vec![0i32; 3], peer, 77).unwrap();
+    g.send(&[g.rank() as i32; 3], peer, 77).unwrap();
+    r.wait().unwrap();
+    assert_eq!(r.into_buffer().unwrap(), vec![peer as i32; 3]);
+}
+
+#[test]
+fn element_type_mismatch_fails_both_sides() {
+    run("element_type_mismatch_fails_both_sides", &[2], |g| {
+        let peer = 1 - g.rank();
+        for (tag, len) in [(1u32, 10usize), (2, 1 << 20)] {
+            if g.rank() == 0 {
+                let mut s = g.isend(vec![1f32; len], peer, tag).unwrap();
+                match s.wait() {
+                    Err(Error::DTypeMismatch { sent, expected, .. }) => {
+                        assert_eq!((sent, expected), (distcomm::DType::F32, distcomm::DType::I32))
+                    }
+                    other => panic!("{other:?}"),
+                }
+            } else {
+                let mut r = g.irecv(vec![0i32; len], peer, tag).unwrap();
+                assert!(matches!(r.wait(), Err(Error::DTypeMismatch { .. })));
+            }
+        }
+        // Raw bytes accept any element type.
+        if g.rank() == 0 {
+            g.send(&[1.0f32], peer, 3).unwrap();
+        } else {
+            let mut r = g.irecv_bytes(vec![0u8; 4], peer, 3).unwrap();
+            r.wait().unwrap();
+            assert_eq!(r.into_buffer().unwrap(), 1.0f32.to_le_bytes());
+        }
+        exchange_pair(g);
+    });
+}
+
+#[test]
+fn peer_exit_mid_transfer_fails_dependent_operations() {
+    run("peer_exit_mid_transfer_fails_dependent_operations", &[2, 3, 4], |g| {
+        if g.rank() == 1 {
+            // Take part of a large message, then vanish without a word.
+            let _r = g.irecv(vec![0u8; 1], 0, 99).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            std::process::exit(0);
+        }
+        let t = Instant::now();
+        if g.rank() == 0 {
+            let mut s = g.isend(vec![1u8; 32 << 20], 1, 1).unwrap();
+            let mut r = g.irecv(vec![0u8; 8], 1, 2).unwrap();
+            for res in [s.wait(), r.wait()] {
+                match res {
+                    Err(Error::PeerLost { peer: 1, rank: 0, .. }) => {}
+                    other => panic!("expected peer 1 lost, got {other:?}"),
+                }
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "detection took {:?}", t.elapsed());
+            // A new operation towards the dead peer fails at once.
+            assert!(matches!(g.isend(vec![1u8], 1, 3).unwrap().wait(), Err(Error::PeerLost { .. })));
+        }
+        // Survivors still talk to each other.
+        if g.size() > 2 {
+            let other = if g.rank() == 0 { 2 } else { 0 };
+            if g.rank() == 0 || g.rank() == 2 {
+                let mut r = g.irecv(vec![0u8; 3], other, 5).unwrap();
+                g.send(&[g.rank() as u8; 3], other, 5).unwrap();
+                r.wait().unwrap();
+                assert_eq!(r.into_buffer().unwrap(), vec![other as u8; 3]);
+            }
+        }
+    });
+}
+
+#[test]
+fn abort_fails_pending_work() {
+    run("abort_fails_pending_work", &[2], |g| {
+        let peer = 1 - g.rank();
+        let mut r = g.irecv(vec![0u8; 8], peer, 1).unwrap();
+        g.abort();
+        assert!(matches!(r.wait(), Err(Error::Aborted { .. })));
+        assert!(matches!(g.isend(vec![0u8], peer, 1).unwrap().wait(), Err(Error::Aborted { .. })));
+    });
+}

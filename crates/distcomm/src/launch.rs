@@ -5,7 +5,9 @@
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -106,11 +108,33 @@ fn pump<R: Read + Send + 'static>(
     })
 }
 
+/// Signals a rank's whole process group (each rank leads its own), so that processes a rank
+/// started die with it and release its output pipes.
 fn signal(child: &Child, sig: i32) {
     if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped); no memory involved.
+        // SAFETY: kill(2) on the process group of a child we spawned with process_group(0) and have
+        // not reaped yet, so the group id cannot have been reused; no memory is involved.
         unsafe {
-            libc::kill(pid, sig);
+            libc::kill(-pid, sig);
+        }
+    }
+}
+
+static INTERRUPTED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    INTERRUPTED.store(sig, Ordering::SeqCst);
+}
+
+/// Makes SIGINT and SIGTERM to this process stop the launched ranks (which run in their own
+/// process groups, so a terminal's Ctrl-C does not reach them directly) before [`launch`]
+/// returns an error. For command-line launchers; call once before [`launch`].
+pub fn forward_signals() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores into an atomic, which is async-signal-safe; the
+        // function pointer has the C ABI signal(2) expects.
+        unsafe {
+            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
         }
     }
 }
@@ -151,6 +175,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("MASTER_PORT", port.to_string())
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
             .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -192,6 +217,14 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
                 }
             }
         }
+        let sig = INTERRUPTED.load(Ordering::SeqCst);
+        if failure.is_none() && sig != 0 {
+            failure = Some(Error::Aborted {
+                op: "launch",
+                rank: cfg.node_rank * cfg.nproc,
+                reason: format!("launcher received signal {sig}"),
+            });
+        }
         if let Some(t) = cfg.timeout {
             if failure.is_none() && started.elapsed() > t {
                 failure = Some(Error::Timeout {
@@ -227,12 +260,14 @@ fn stop_all(children: &mut [Option<Child>]) {
             match c.try_wait() {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= grace => {
-                    let _ = c.kill();
+                    signal(c, libc::SIGKILL);
                     let _ = c.wait();
                     break;
                 }
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
+        // Whatever the rank started dies with it.
+        signal(c, libc::SIGKILL);
     }
 }

@@ -28,7 +28,7 @@ struct Shared {
     data: Mutex<Data>,
     changed: Condvar,
     stop: AtomicBool,
-    clients: Mutex<Vec<TcpStream>>,
+    clients: Mutex<HashMap<u64, TcpStream>>,
 }
 
 impl Shared {
@@ -73,7 +73,7 @@ impl TcpStoreServer {
             data: Mutex::new(Data::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
-            clients: Mutex::new(Vec::new()),
+            clients: Mutex::new(HashMap::new()),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -97,7 +97,7 @@ impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.changed.notify_all();
-        for c in self.shared.clients.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for c in self.shared.clients.lock().unwrap_or_else(|e| e.into_inner()).values() {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(h) = self.accept.take() {
@@ -107,20 +107,24 @@ impl Drop for TcpStoreServer {
 }
 
 fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
+    let mut next_id = 0u64;
     while !sh.stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, _)) => {
                 let _ = stream.set_nonblocking(false);
                 let _ = stream.set_nodelay(true);
-                if let Ok(c) = stream.try_clone() {
-                    sh.clients.lock().unwrap_or_else(|e| e.into_inner()).push(c);
-                }
+                let Ok(clone) = stream.try_clone() else { continue };
+                next_id += 1;
+                let id = next_id;
+                sh.clients.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
                 let sh2 = sh.clone();
                 let _ = std::thread::Builder::new()
                     .name("distcomm-store-client".into())
                     .spawn(move || {
-                        // A client that breaks the protocol is simply disconnected.
-                        let _ = serve(stream, &sh2);
+                        // A client that breaks the protocol (or leaves) is disconnected.
+                        let _ = serve(&stream, &sh2);
+                        let _ = stream.shutdown(Shutdown::Both);
+                        sh2.clients.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
                     });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -145,8 +149,8 @@ fn readable(stream: &TcpStream) -> bool {
     unsafe { libc::poll(&mut fd, 1, 0) > 0 }
 }
 
-fn serve(stream: TcpStream, sh: &Shared) -> io::Result<()> {
-    let mut w = stream.try_clone()?;
+fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
+    let mut w = stream;
     let mut r = BufReader::new(stream);
     if proto::read_u8(&mut r)? != VALIDATE || proto::read_u32(&mut r)? != MAGIC {
         return Err(bad("connection did not validate"));
@@ -289,13 +293,13 @@ fn serve(stream: TcpStream, sh: &Shared) -> io::Result<()> {
     }
 }
 
-fn read_keys(r: &mut BufReader<TcpStream>) -> io::Result<Vec<String>> {
+fn read_keys(r: &mut BufReader<&TcpStream>) -> io::Result<Vec<String>> {
     let n = proto::read_count(r)?;
     (0..n).map(|_| read_key(r)).collect()
 }
 
 /// Blocks until `keys` exist (true) or the client sends CANCEL_WAIT (false).
-fn wait_keys(sh: &Shared, keys: &[String], r: &mut BufReader<TcpStream>) -> io::Result<bool> {
+fn wait_keys(sh: &Shared, keys: &[String], r: &mut BufReader<&TcpStream>) -> io::Result<bool> {
     let mut d = sh.lock();
     loop {
         if d.ready(keys) {

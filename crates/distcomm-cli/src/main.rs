@@ -1,1 +1,85 @@
-fn main(){}
+//! The `distcomm` command: `launch` local ranks torchrun-style, and `bench` communication.
+
+mod bench;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "distcomm", version, about = "Communication layer for distributed training")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start ranks of PROGRAM with torchrun's environment; stop all when one fails.
+    Launch(LaunchArgs),
+    /// Communication benchmarks (nccl-tests style). Bare, it starts its own local ranks.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// Ranks on this node.
+    #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
+    nproc: usize,
+    /// Number of nodes.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index (node 0 hosts the store).
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Store port on node 0 (0 picks a free port; single node only).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Program and its arguments.
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
+}
+
+fn run_launch(a: LaunchArgs) -> distcomm::Result<()> {
+    let mut it = a.command.into_iter();
+    let program = it
+        .next()
+        .ok_or_else(|| distcomm::Error::Config("no program given".into()))?;
+    let port = match a.master_port {
+        Some(p) => p,
+        None if a.nnodes == 1 => 0,
+        None => distcomm::env::DEFAULT_MASTER_PORT,
+    };
+    if a.nnodes > 1 && port == 0 {
+        return Err(distcomm::Error::Config(
+            "multi-node launches need a fixed --master-port".into(),
+        ));
+    }
+    let mut cfg = distcomm::launch::LaunchConfig::local(a.nproc, program);
+    cfg.args = it.collect();
+    cfg.nnodes = a.nnodes;
+    cfg.node_rank = a.node_rank;
+    cfg.master_addr = a.master_addr;
+    cfg.master_port = port;
+    distcomm::launch::forward_signals();
+    distcomm::launch::launch(&cfg)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Launch(a) => run_launch(a),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("distcomm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -34,6 +34,8 @@ pub struct LaunchConfig {
     pub env: Vec<(OsString, OsString)>,
     /// Kill everything and fail after this long.
     pub timeout: Option<Duration>,
+    /// Prefix every output line with `[rankN]: ` (otherwise ranks share our stdout/stderr).
+    pub prefix_output: bool,
 }
 
 impl LaunchConfig {
@@ -49,6 +51,7 @@ impl LaunchConfig {
             args: Vec::new(),
             env: Vec::new(),
             timeout: None,
+            prefix_output: true,
         }
     }
 }
@@ -176,9 +179,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
             .envs(cfg.env.iter().map(|(k, v)| (k, v)))
             .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .stdin(Stdio::null());
+        if cfg.prefix_output {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         match cmd.spawn() {
             Ok(mut child) => {
                 let prefix = format!("[rank{rank}]: ");

@@ -1,0 +1,278 @@
+//! `distcomm bench`: point-to-point ping-pong and streaming, nccl-tests style.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use distcomm::{Error, ProcessGroup, Result};
+use serde::Serialize;
+
+#[derive(clap::Args, Clone)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[arg(value_enum, default_value_t = Suite::P2p)]
+    suite: Suite,
+    /// Ranks to start when not run under a launcher.
+    #[arg(short = 'n', long = "nproc", default_value_t = 2)]
+    nproc: usize,
+    /// Message sizes, comma separated (suffixes K, M, G), instead of the 8 B … 64 MiB sweep.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<usize>>,
+    /// A short smoke sweep.
+    #[arg(long)]
+    quick: bool,
+    /// Write the results as JSON records to FILE.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Skip payload verification.
+    #[arg(long)]
+    no_check: bool,
+    /// Messages in flight in the streaming test.
+    #[arg(long, default_value_t = 16)]
+    window: usize,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+enum Suite {
+    /// Ping-pong latency/bandwidth and windowed streaming between ranks 0 and 1.
+    P2p,
+}
+
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s.trim_end_matches(['B', 'b']), 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("{s:?} is not a size like 8, 4K or 64M"))
+}
+
+/// One result line, as written by `--json`.
+#[derive(Serialize, Clone)]
+pub struct Record {
+    pub op: &'static str,
+    pub bytes: usize,
+    pub world: usize,
+    pub transport: &'static str,
+    pub iters: usize,
+    pub time_us: f64,
+    pub algbw_gbs: f64,
+    pub busbw_gbs: f64,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if !distcomm::env::JobEnv::present() {
+        return self_launch(&args);
+    }
+    let group = distcomm::init()?;
+    if group.size() < 2 {
+        return Err(Error::Config("bench p2p needs at least 2 ranks".into()));
+    }
+    let sizes = match (&args.sizes, args.quick) {
+        (Some(s), _) => s.clone(),
+        (None, true) => vec![8, 4096, 1 << 20],
+        (None, false) => {
+            let mut v: Vec<usize> = (0..13).map(|i| 8usize << (2 * i)).collect();
+            v.push(64 << 20);
+            v
+        }
+    };
+    let mut records = Vec::new();
+    let lead = group.rank() == 0;
+    if lead {
+        println!(
+            "# distcomm bench p2p: world {}, transport {}, ranks 0 <-> 1",
+            group.size(),
+            group.transport()
+        );
+        println!(
+            "# {:>10} {:>10} {:>6} {:>9} {:>11} {:>12} {:>12} {:>6}",
+            "size", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "check"
+        );
+    }
+    for &size in &sizes {
+        for op in ["pingpong", "stream"] {
+            let r = match op {
+                "pingpong" => pingpong(&group, size, !args.no_check)?,
+                _ => stream(&group, size, args.window.max(1), !args.no_check)?,
+            };
+            if let Some(rec) = r {
+                println!(
+                    "  {:>10} {:>10} {:>6} {:>9} {:>11.2} {:>12.3} {:>12.3} {:>6}",
+                    rec.bytes,
+                    rec.bytes,
+                    "u8",
+                    rec.op,
+                    rec.time_us,
+                    rec.algbw_gbs,
+                    rec.busbw_gbs,
+                    if args.no_check { "skip" } else { "ok" }
+                );
+                records.push(rec);
+            }
+            group.barrier()?;
+        }
+    }
+    if lead {
+        if let Some(path) = &args.json {
+            let text = serde_json::to_string_pretty(&records)
+                .map_err(|e| Error::Config(format!("serialise results: {e}")))?;
+            std::fs::write(path, text)
+                .map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+        }
+    }
+    Ok(())
+}
+
+fn self_launch(args: &BenchArgs) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("find own executable", e))?;
+    let mut cfg = distcomm::launch::LaunchConfig::local(args.nproc, exe.as_os_str());
+    cfg.args = std::env::args_os().skip(1).collect();
+    cfg.prefix_output = false;
+    distcomm::launch::forward_signals();
+    distcomm::launch::launch(&cfg)
+}
+
+fn iters_for(bytes: usize) -> usize {
+    ((256usize << 20) / bytes.max(1)).clamp(10, 2000)
+}
+
+fn fill(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+fn verify(buf: &[u8], seed: u64, what: &str) -> Result<()> {
+    let mut want = vec![0u8; buf.len()];
+    fill(&mut want, seed);
+    if let Some(i) = buf.iter().zip(&want).position(|(a, b)| a != b) {
+        return Err(Error::Config(format!(
+            "{what}: payload corrupted at byte {i} of {}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn record(g: &ProcessGroup, op: &'static str, bytes: usize, iters: usize, secs: f64) -> Record {
+    let algbw = if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+    Record {
+        op,
+        bytes,
+        world: g.size(),
+        transport: g.transport(),
+        iters,
+        time_us: secs * 1e6,
+        algbw_gbs: algbw,
+        busbw_gbs: algbw,
+    }
+}
+
+/// One round trip 0 -> 1 -> 0 with owned buffers (no copies in distcomm).
+fn round_trip(g: &ProcessGroup, buf: Vec<u8>, rbuf: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>)> {
+    if g.rank() == 0 {
+        let r = g.irecv(rbuf, 1, 1)?;
+        let s = g.isend(buf, 1, 0)?;
+        let buf = s.into_buffer()?;
+        let rbuf = r.into_buffer()?;
+        Ok((buf, rbuf))
+    } else {
+        let got = g.irecv(rbuf, 0, 0)?.into_buffer()?;
+        let got = g.isend(got, 0, 1)?.into_buffer()?;
+        Ok((buf, got))
+    }
+}
+
+fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>> {
+    if g.rank() > 1 {
+        return Ok(None);
+    }
+    let mut buf = vec![0u8; size];
+    let mut rbuf = vec![0u8; size];
+    let iters = iters_for(size);
+    // Verified, untimed round trips before and after the timed ones.
+    let checked = |buf: Vec<u8>, rbuf: Vec<u8>, seed: u64| -> Result<(Vec<u8>, Vec<u8>)> {
+        let mut buf = buf;
+        if check && g.rank() == 0 {
+            fill(&mut buf, seed);
+        }
+        let (buf, rbuf) = round_trip(g, buf, rbuf)?;
+        if check {
+            verify(&rbuf, seed, "pingpong")?;
+        }
+        Ok((buf, rbuf))
+    };
+    (buf, rbuf) = checked(buf, rbuf, size as u64)?;
+    for _ in 0..2 {
+        (buf, rbuf) = round_trip(g, buf, rbuf)?;
+    }
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        (buf, rbuf) = round_trip(g, buf, rbuf)?;
+        samples.push(t.elapsed().as_secs_f64() / 2.0);
+    }
+    checked(buf, rbuf, size as u64 + 1)?;
+    Ok((g.rank() == 0).then(|| record(g, "pingpong", size, iters, median(samples))))
+}
+
+fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<Option<Record>> {
+    if g.rank() > 1 {
+        return Ok(None);
+    }
+    let iters = ((256usize << 20) / (size.max(1) * window)).clamp(3, 200);
+    let mut bufs: Vec<Vec<u8>> = (0..window).map(|_| vec![0u8; size]).collect();
+    let mut samples = Vec::with_capacity(iters);
+    for it in 0..iters + 1 {
+        let verify_round = it == 0 && check;
+        let t = Instant::now();
+        if g.rank() == 0 {
+            if verify_round {
+                for (k, b) in bufs.iter_mut().enumerate() {
+                    fill(b, (size * 31 + k) as u64);
+                }
+            }
+            let works: Vec<_> = bufs
+                .drain(..)
+                .enumerate()
+                .map(|(k, b)| g.isend(b, 1, 10 + k as u32))
+                .collect::<Result<_>>()?;
+            for w in works {
+                bufs.push(w.into_buffer()?);
+            }
+            let mut ack = [0u8; 1];
+            g.recv(&mut ack, 1, 9)?;
+        } else {
+            let works: Vec<_> = bufs
+                .drain(..)
+                .enumerate()
+                .map(|(k, b)| g.irecv(b, 0, 10 + k as u32))
+                .collect::<Result<_>>()?;
+            for (k, w) in works.into_iter().enumerate() {
+                let b = w.into_buffer()?;
+                if verify_round {
+                    verify(&b, (size * 31 + k) as u64, "stream")?;
+                }
+                bufs.push(b);
+            }
+            g.send(&[1u8], 0, 9)?;
+        }
+        if it > 0 {
+            samples.push(t.elapsed().as_secs_f64() / window as f64);
+        }
+    }
+    Ok((g.rank() == 0).then(|| record(g, "stream", size, iters * window, median(samples))))
+}

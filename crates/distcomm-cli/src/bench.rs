@@ -75,7 +75,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         (Some(s), _) => s.clone(),
         (None, true) => vec![8, 4096, 1 << 20],
         (None, false) => {
-            let mut v: Vec<usize> = (0..13).map(|i| 8usize << (2 * i)).collect();
+            let mut v: Vec<usize> = (0..12).map(|i| 8usize << (2 * i)).collect();
             v.push(64 << 20);
             v
         }

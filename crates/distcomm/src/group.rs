@@ -128,7 +128,13 @@ impl GroupBuilder {
             None => Duration::ZERO,
         };
         let eager_max = env_u64("DISTCOMM_EAGER_MAX")?.unwrap_or(64 * 1024) as usize;
-        let engine = Engine::start(self.rank, streams, EngineConfig { eager_max, spin })?;
+        let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.unwrap_or(0) as usize;
+        let cfg = EngineConfig {
+            eager_max,
+            spin,
+            sockbuf,
+        };
+        let engine = Engine::start(self.rank, streams, cfg)?;
         let group = ProcessGroup {
             rank: self.rank,
             world: self.world,

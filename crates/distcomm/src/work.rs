@@ -55,12 +55,18 @@ struct Slot {
     result: Option<Result<Status>>,
     buf: Option<BoxBuf>,
     waker: Option<Waker>,
+    /// Bumped by [`OpCell::kick`]: the operation moved, a sleeping waiter should resume spinning.
+    kicks: u64,
+    /// Threads blocked on `cv` (so completions only pay for a wake-up when someone sleeps).
+    sleepers: u32,
 }
 
 /// The completion cell shared by a handle and the engine.
 #[derive(Default)]
 pub(crate) struct OpCell {
     done: AtomicBool,
+    /// Set by [`OpCell::kick`]: a transfer is under way with the peer engaged.
+    active: AtomicBool,
     slot: Mutex<Slot>,
     cv: Condvar,
 }
@@ -82,12 +88,19 @@ impl OpCell {
             slot.result = Some(result);
             slot.buf = buf;
             self.done.store(true, Ordering::Release);
+            if slot.sleepers > 0 {
+                self.cv.notify_all();
+            }
             slot.waker.take()
         };
-        self.cv.notify_all();
         if let Some(w) = waker {
             w.wake();
         }
+    }
+
+    /// Whether a transfer is under way (see [`OpCell::kick`]).
+    pub(crate) fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -98,20 +111,34 @@ impl OpCell {
         self.lock().result.clone()
     }
 
-    /// Blocks on the condition variable until done or `deadline`.
+    /// Wakes a sleeping waiter without completing: the operation has started moving (for
+    /// example a large transfer was cleared to send), so spinning pays again.
+    pub(crate) fn kick(&self) {
+        self.active.store(true, Ordering::Release);
+        let mut slot = self.lock();
+        slot.kicks += 1;
+        if slot.sleepers > 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Blocks until done, kicked, or `deadline`. Returns whether the operation is done.
     fn block_until(&self, deadline: Instant) -> bool {
         let mut slot = self.lock();
-        while slot.result.is_none() {
+        let kicks = slot.kicks;
+        while slot.result.is_none() && slot.kicks == kicks {
             let now = Instant::now();
             if now >= deadline {
                 return false;
             }
+            slot.sleepers += 1;
             slot = match self.cv.wait_timeout(slot, deadline - now) {
                 Ok((g, _)) => g,
                 Err(e) => e.into_inner().0,
             };
+            slot.sleepers -= 1;
         }
-        true
+        slot.result.is_some()
     }
 }
 

@@ -29,7 +29,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -46,11 +46,37 @@ pub struct EngineConfig {
     pub eager_max: usize,
     /// How long a waiter spins (driving progress) before it sleeps.
     pub spin: Duration,
+    /// Socket send and receive buffer size in bytes (0: leave the kernel's autotuning on).
+    pub sockbuf: usize,
+}
+
+fn set_buffers(stream: &TcpStream, bytes: usize) -> Result<()> {
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt on a socket we own, with a pointer to a live c_int and its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::io("set socket buffer size", io::Error::last_os_error()));
+        }
+    }
+    Ok(())
 }
 
 const RXBUF: usize = 256 * 1024;
 const READ_BUDGET: usize = 8 << 20;
 const MAX_IOV: usize = 64;
+/// Spin budget of a waiter whose large transfer is under way.
+const ACTIVE_SPIN: Duration = Duration::from_millis(50);
+/// After a waiter stops spinning, the progress thread keeps off the sockets this long.
+const SPIN_GRACE_US: u64 = 2000;
 
 struct Posted {
     id: u64,
@@ -386,6 +412,7 @@ impl State {
                     Some(r) => match self.check(&r, p, &h) {
                         Ok(()) => {
                             self.answer(p, &h, None);
+                            r.cell.kick();
                             self.rdv.insert((p, h.msg_id), (r, h.len));
                         }
                         Err((e, reason)) => {
@@ -433,6 +460,7 @@ impl State {
                     len: s.len as u64,
                 };
                 let plen = s.len;
+                s.cell.kick();
                 self.push_out(
                     p,
                     Out {
@@ -712,7 +740,11 @@ impl State {
     }
 
     /// One sweep over every live peer. Returns whether anything moved.
-    fn progress(&mut self) -> bool {
+    ///
+    /// With `flush_replies` false, control frames produced while reading (Ack, Cts) stay queued
+    /// until the next sweep or the next send to that peer, whichever comes first; a waiter uses
+    /// this so that a reply and the message the user sends next leave in one write.
+    fn progress(&mut self, flush_replies: bool) -> bool {
         let mut any = false;
         for p in 0..self.peers.len() {
             let live = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none());
@@ -722,7 +754,7 @@ impl State {
             let r = self
                 .pump_tx(p)
                 .and_then(|a| Ok(a | self.pump_rx(p)?))
-                .and_then(|a| Ok(a | self.pump_tx(p)?));
+                .and_then(|a| Ok(a | (flush_replies && self.pump_tx(p)?)));
             match r {
                 Ok(a) => any |= a,
                 Err(reason) => {
@@ -752,7 +784,10 @@ impl State {
             s.cell.complete(Err(aborted(s.op)), None);
         }
         for peer in self.peers.iter_mut().flatten() {
-            peer.out.clear();
+            // Replies owed to peers (acks, clear-to-send, refusals) and a frame already half on
+            // the wire still go out; only our own unsent messages are dropped.
+            let mut first = peer.out_off > 0;
+            peer.out.retain(|o| std::mem::take(&mut first) || o.send_id.is_none());
             if let Rx::Payload {
                 target: Target::Recv(r),
                 ..
@@ -779,6 +814,13 @@ struct Shared {
     wake_tx: UnixStream,
     wake_rx: UnixStream,
     spinning: AtomicUsize,
+    /// The progress thread is (or is about to be) asleep in poll(2) on the sockets.
+    watching: AtomicBool,
+    /// A waiter stopped spinning to sleep: the progress thread must watch the sockets now.
+    handoff: AtomicBool,
+    /// When the last spinner stopped, in µs since `epoch`.
+    last_spin_us: AtomicU64,
+    epoch: Instant,
     stop: AtomicBool,
     spin: Duration,
 }
@@ -786,6 +828,10 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
     }
 
     fn poke(&self) {
@@ -803,7 +849,12 @@ impl Shared {
                 events: libc::POLLIN,
                 revents: 0,
             });
-            let spinning = self.spinning.load(Ordering::Acquire) > 0;
+            // Leave the sockets to waiters while they spin, and for a grace period after, so
+            // that back-to-back waits do not have two threads fighting over each socket.
+            let spinning = self.spinning.load(Ordering::Acquire) > 0
+                || (!self.handoff.load(Ordering::Acquire)
+                    && self.now_us().saturating_sub(self.last_spin_us.load(Ordering::Acquire)) < SPIN_GRACE_US);
+            self.watching.store(!spinning, Ordering::Release);
             if !spinning {
                 let st = self.lock();
                 for (p, peer) in st.peers.iter().enumerate() {
@@ -833,7 +884,7 @@ impl Shared {
                 while matches!((&self.wake_rx).read(&mut sink), Ok(k) if k > 0) {}
             }
             if fds.len() > 1 {
-                self.lock().progress();
+                self.lock().progress(true);
             }
         }
     }
@@ -863,6 +914,9 @@ impl Engine {
                     stream
                         .set_nodelay(true)
                         .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+                    if cfg.sockbuf > 0 {
+                        set_buffers(&stream, cfg.sockbuf)?;
+                    }
                     Some(Peer {
                         stream,
                         out: VecDeque::new(),
@@ -897,6 +951,10 @@ impl Engine {
             wake_tx,
             wake_rx,
             spinning: AtomicUsize::new(0),
+            watching: AtomicBool::new(false),
+            handoff: AtomicBool::new(false),
+            last_spin_us: AtomicU64::new(0),
+            epoch: Instant::now(),
             stop: AtomicBool::new(false),
             spin: cfg.spin,
         });
@@ -979,7 +1037,7 @@ impl Engine {
                 kind: Kind::Rts,
                 payload: None,
                 plen: 0,
-                send_id: None,
+                send_id: Some(id),
             }
         };
         st.sends.insert(id, pending);
@@ -989,9 +1047,7 @@ impl Engine {
         }
         let backlog = matches!(st.peers.get(dst), Some(Some(p)) if !p.out.is_empty());
         drop(st);
-        if backlog {
-            self.sh.poke();
-        }
+        self.nudge(backlog);
         (id, cell)
     }
 
@@ -1021,10 +1077,18 @@ impl Engine {
         });
         let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
         drop(st);
-        if backlog {
+        self.nudge(backlog);
+        (id, cell)
+    }
+
+    /// After posting: if frames wait to be written and the progress thread sleeps on the
+    /// sockets with an interest set that predates them, wake it so that it watches for
+    /// writability. While waiters spin (or just spun) they write the backlog themselves, and a
+    /// reply left queued there usually leaves together with the next message.
+    fn nudge(&self, backlog: bool) {
+        if backlog && self.sh.watching.load(Ordering::Acquire) {
             self.sh.poke();
         }
-        (id, cell)
     }
 
     /// Fails every pending operation and refuses new ones.
@@ -1039,25 +1103,50 @@ impl Engine {
     }
 }
 
-impl Driver for Engine {
-    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+impl Engine {
+    /// Spins (driving progress) while things move, then sleeps until the operation completes,
+    /// is kicked, or the deadline passes. Returns whether it is done.
+    fn spin_then_sleep(&self, cell: &OpCell, deadline: Instant) -> bool {
         if !self.sh.spin.is_zero() {
             self.sh.spinning.fetch_add(1, Ordering::AcqRel);
-            let spin_end = Instant::now() + self.sh.spin;
-            let stop = spin_end.min(deadline);
+            self.sh.handoff.store(false, Ordering::Release);
+            if self.sh.watching.load(Ordering::Acquire) {
+                // Get the progress thread off the sockets.
+                self.sh.poke();
+            }
+            // Spin while things move; sleep after `spin` without any progress.
+            let mut idle_since = Instant::now();
             loop {
                 if cell.is_done() {
                     break;
                 }
                 if let Ok(mut st) = self.sh.st.try_lock() {
-                    st.progress();
+                    if st.progress(false) {
+                        idle_since = Instant::now();
+                    }
                 }
-                if cell.is_done() || Instant::now() >= stop {
+                if cell.is_done() {
+                    break;
+                }
+                let now = Instant::now();
+                // Once both sides are engaged in a large transfer, a pause is the TCP window
+                // refilling, not an absent peer: sleeping there would halve the bandwidth.
+                let budget = if cell.is_active() {
+                    self.sh.spin.max(ACTIVE_SPIN)
+                } else {
+                    self.sh.spin
+                };
+                if now >= deadline || now.duration_since(idle_since) >= budget {
                     break;
                 }
                 std::hint::spin_loop();
             }
-            if self.sh.spinning.fetch_sub(1, Ordering::AcqRel) == 1 && !cell.is_done() {
+            let done = cell.is_done();
+            if !done {
+                self.sh.handoff.store(true, Ordering::Release);
+            }
+            self.sh.last_spin_us.store(self.sh.now_us(), Ordering::Release);
+            if self.sh.spinning.fetch_sub(1, Ordering::AcqRel) == 1 && !done {
                 self.sh.poke();
             }
             if cell.is_done() {
@@ -1065,6 +1154,19 @@ impl Driver for Engine {
             }
         }
         block(cell, deadline)
+    }
+}
+
+impl Driver for Engine {
+    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+        loop {
+            if self.spin_then_sleep(cell, deadline) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return cell.is_done();
+            }
+        }
     }
 
     fn cancel(&self, op_id: u64) {
@@ -1097,7 +1199,7 @@ impl Drop for Engine {
                 .flatten()
                 .any(|p| p.dead.is_none() && !p.out.is_empty())
         {
-            st.progress();
+            st.progress(true);
             std::thread::sleep(Duration::from_micros(200));
         }
         st.abort_all("process group shut down");

@@ -168,7 +168,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn record(g: &ProcessGroup, op: &'static str, bytes: usize, iters: usize, secs: f64) -> Record {
-    let algbw = if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+    let algbw = if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    };
     Record {
         op,
         bytes,

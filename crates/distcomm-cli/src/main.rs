@@ -8,7 +8,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "distcomm", version, about = "Communication layer for distributed training")]
+#[command(
+    name = "distcomm",
+    version,
+    about = "Communication layer for distributed training"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -131,7 +131,11 @@ impl JobEnv {
                 local_rank: var("OMPI_COMM_WORLD_LOCAL_RANK")
                     .map_or(Ok(rank), |x| parse("OMPI_COMM_WORLD_LOCAL_RANK", &x))?,
                 local_world,
-                master_addr: master_from(var, &["DISTCOMM_MASTER_ADDR", "MASTER_ADDR"], local_world == world)?,
+                master_addr: master_from(
+                    var,
+                    &["DISTCOMM_MASTER_ADDR", "MASTER_ADDR"],
+                    local_world == world,
+                )?,
                 master_port: port_from(var, &["DISTCOMM_MASTER_PORT", "MASTER_PORT"])?,
                 agent_store: false,
                 launcher: Launcher::OpenMpi,
@@ -143,13 +147,19 @@ impl JobEnv {
             let nnodes: usize = var("SLURM_NNODES").map_or(Ok(1), |x| parse("SLURM_NNODES", &x))?;
             let local_world = var("SLURM_NTASKS_PER_NODE")
                 .and_then(|x| x.split(['(', ',']).next().map(str::to_string))
-                .map_or(Ok(world.div_ceil(nnodes.max(1))), |x| parse("SLURM_NTASKS_PER_NODE", &x))?;
+                .map_or(Ok(world.div_ceil(nnodes.max(1))), |x| {
+                    parse("SLURM_NTASKS_PER_NODE", &x)
+                })?;
             JobEnv {
                 rank,
                 world,
                 local_rank: var("SLURM_LOCALID").map_or(Ok(0), |x| parse("SLURM_LOCALID", &x))?,
                 local_world,
-                master_addr: master_from(var, &["DISTCOMM_MASTER_ADDR", "MASTER_ADDR"], nnodes == 1)?,
+                master_addr: master_from(
+                    var,
+                    &["DISTCOMM_MASTER_ADDR", "MASTER_ADDR"],
+                    nnodes == 1,
+                )?,
                 master_port: port_from(var, &["DISTCOMM_MASTER_PORT", "MASTER_PORT"])?,
                 agent_store: false,
                 launcher: Launcher::Slurm,
@@ -161,7 +171,8 @@ impl JobEnv {
                     "WORLD_SIZE".into(),
                     "MASTER_ADDR".into(),
                     "MASTER_PORT".into(),
-                    "(or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, or SLURM_PROCID/SLURM_NTASKS)".into(),
+                    "(or OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, or SLURM_PROCID/SLURM_NTASKS)"
+                        .into(),
                 ],
             });
         };
@@ -177,9 +188,15 @@ impl JobEnv {
     /// True when some launcher's variables are present (complete or not).
     pub fn present() -> bool {
         let var = |n: &str| env::var(n).ok().filter(|v| !v.is_empty());
-        ["RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"]
-            .iter()
-            .any(|n| var(n).is_some())
+        [
+            "RANK",
+            "WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "SLURM_PROCID",
+        ]
+        .iter()
+        .any(|n| var(n).is_some())
     }
 }
 
@@ -232,7 +249,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((j.rank, j.world, j.launcher), (1, 2, Launcher::OpenMpi));
-        assert_eq!((j.master_addr.as_str(), j.master_port), ("127.0.0.1", DEFAULT_MASTER_PORT));
+        assert_eq!(
+            (j.master_addr.as_str(), j.master_port),
+            ("127.0.0.1", DEFAULT_MASTER_PORT)
+        );
         // Multi-host Open MPI needs a master address.
         let e = job(&[
             ("OMPI_COMM_WORLD_RANK", "1"),
@@ -250,14 +270,27 @@ mod tests {
             ("MASTER_ADDR", "10.1.1.1"),
         ])
         .unwrap();
-        assert_eq!((j.rank, j.world, j.local_world, j.launcher), (2, 4, 2, Launcher::Slurm));
+        assert_eq!(
+            (j.rank, j.world, j.local_world, j.launcher),
+            (2, 4, 2, Launcher::Slurm)
+        );
     }
 
     #[test]
     fn bad_values() {
-        let e = job(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")]);
+        let e = job(&[
+            ("RANK", "x"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "1"),
+        ]);
         assert!(matches!(e, Err(Error::Config(_))));
-        let e = job(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")]);
+        let e = job(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "1"),
+        ]);
         assert!(matches!(e, Err(Error::Config(_))));
     }
 }

@@ -108,7 +108,11 @@ impl GroupBuilder {
         let (host, _) = split_host_port(&self.store_addr)?;
         let server = if self.host_store.unwrap_or(self.rank == 0) {
             let ip = advertise_ip(&host)?;
-            let bind_host = if ip.is_loopback() { "127.0.0.1" } else { "0.0.0.0" };
+            let bind_host = if ip.is_loopback() {
+                "127.0.0.1"
+            } else {
+                "0.0.0.0"
+            };
             let (_, port) = split_host_port(&self.store_addr)?;
             Some(TcpStoreServer::bind(&format!("{bind_host}:{port}"))?)
         } else {
@@ -168,7 +172,9 @@ fn env_duration_secs(name: &str) -> Result<Option<Duration>> {
             .ok()
             .filter(|s| s.is_finite() && *s > 0.0)
             .map(|s| Some(Duration::from_secs_f64(s)))
-            .ok_or_else(|| Error::Config(format!("{name}={v:?} is not a positive number of seconds"))),
+            .ok_or_else(|| {
+                Error::Config(format!("{name}={v:?} is not a positive number of seconds"))
+            }),
         _ => Ok(None),
     }
 }
@@ -188,7 +194,10 @@ fn split_host_port(addr: &str) -> Result<(String, u16)> {
     let port = p
         .parse()
         .map_err(|_| Error::Config(format!("store address {addr:?} has a bad port")))?;
-    Ok((h.trim_start_matches('[').trim_end_matches(']').to_string(), port))
+    Ok((
+        h.trim_start_matches('[').trim_end_matches(']').to_string(),
+        port,
+    ))
 }
 
 /// Initialises the world group from the launcher's environment (torchrun, `distcomm launch`,
@@ -288,7 +297,14 @@ impl ProcessGroup {
     ) -> Result<Work<B>> {
         self.check_peer(op, dst)?;
         let (id, cell) = self.engine.isend(op, buf, dtype, dst, ctx, tag);
-        Ok(Work::new(cell, self.driver(), id, op, Some(dst), self.timeout))
+        Ok(Work::new(
+            cell,
+            self.driver(),
+            id,
+            op,
+            Some(dst),
+            self.timeout,
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -347,15 +363,28 @@ impl ProcessGroup {
     /// Receives raw bytes; accepts a message of any element type.
     pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
         self.check_tag("irecv", tag)?;
-        self.post_recv("irecv", Box::new(buf), DType::Bytes, Some(src), CTX_USER, tag)
+        self.post_recv(
+            "irecv",
+            Box::new(buf),
+            DType::Bytes,
+            Some(src),
+            CTX_USER,
+            tag,
+        )
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
     /// to avoid the copy).
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
         self.check_tag("send", tag)?;
-        let mut w: Work<Vec<T>> =
-            self.post_send("send", Box::new(data.to_vec()), T::DTYPE, dst, CTX_USER, tag)?;
+        let mut w: Work<Vec<T>> = self.post_send(
+            "send",
+            Box::new(data.to_vec()),
+            T::DTYPE,
+            dst,
+            CTX_USER,
+            tag,
+        )?;
         w.wait().map(|_| ())
     }
 
@@ -384,10 +413,22 @@ impl ProcessGroup {
         while dist < n {
             let to = (self.rank + dist) % n;
             let from = (self.rank + n - dist) % n;
-            let mut r: Work<Vec<u8>> =
-                self.post_recv("barrier", Box::new(Vec::<u8>::new()), DType::U8, Some(from), CTX_BARRIER, round)?;
-            let mut s: Work<Vec<u8>> =
-                self.post_send("barrier", Box::new(Vec::<u8>::new()), DType::U8, to, CTX_BARRIER, round)?;
+            let mut r: Work<Vec<u8>> = self.post_recv(
+                "barrier",
+                Box::new(Vec::<u8>::new()),
+                DType::U8,
+                Some(from),
+                CTX_BARRIER,
+                round,
+            )?;
+            let mut s: Work<Vec<u8>> = self.post_send(
+                "barrier",
+                Box::new(Vec::<u8>::new()),
+                DType::U8,
+                to,
+                CTX_BARRIER,
+                round,
+            )?;
             r.wait()?;
             s.wait()?;
             dist *= 2;

@@ -86,29 +86,31 @@ fn pump<R: Read + Send + 'static>(
     prefix: String,
     to_stderr: bool,
 ) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name(prefix.clone()).spawn(move || {
-        let mut r = BufReader::new(src);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match r.read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    if line.last() != Some(&b'\n') {
-                        line.push(b'\n');
-                    }
-                    let text = String::from_utf8_lossy(&line);
-                    // Output goes through print!/eprint! so the test harness's capture sees it.
-                    if to_stderr {
-                        eprint!("{prefix}{text}");
-                    } else {
-                        print!("{prefix}{text}");
-                        let _ = std::io::stdout().flush();
+    std::thread::Builder::new()
+        .name(prefix.clone())
+        .spawn(move || {
+            let mut r = BufReader::new(src);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match r.read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        if line.last() != Some(&b'\n') {
+                            line.push(b'\n');
+                        }
+                        let text = String::from_utf8_lossy(&line);
+                        // Output goes through print!/eprint! so the test harness's capture sees it.
+                        if to_stderr {
+                            eprint!("{prefix}{text}");
+                        } else {
+                            print!("{prefix}{text}");
+                            let _ = std::io::stdout().flush();
+                        }
                     }
                 }
             }
-        }
-    })
+        })
 }
 
 /// Signals a rank's whole process group (each rank leads its own), so that processes a rank

@@ -226,7 +226,8 @@ impl<B: 'static> Work<B> {
     /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Status> {
         let deadline = Instant::now().checked_add(timeout);
-        let deadline = deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
+        let deadline =
+            deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
         if !self.cell.is_done() && !self.driver.drive_until(&self.cell, deadline) {
             return Err(Error::Timeout {
                 op: self.op,

@@ -30,14 +30,24 @@ fn a_failing_rank_is_named_and_the_others_are_stopped() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(t.elapsed() < Duration::from_secs(20), "others were not stopped");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "others were not stopped"
+    );
 }
 
 #[test]
 fn a_killed_rank_reports_its_signal() {
-    let err = launch(&sh(2, r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 60"#)).unwrap_err();
+    let err = launch(&sh(
+        2,
+        r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 60"#,
+    ))
+    .unwrap_err();
     let text = err.to_string();
-    assert!(text.contains("rank 0") && text.contains("SIGKILL"), "{text}");
+    assert!(
+        text.contains("rank 0") && text.contains("SIGKILL"),
+        "{text}"
+    );
 }
 
 #[test]

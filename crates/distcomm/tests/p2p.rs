@@ -29,8 +29,15 @@ fn exchange(g: &ProcessGroup, len: usize, send_first: bool, tag: u32) {
     assert_eq!((st.peer, st.bytes, st.tag), (prev, len, tag));
     assert_eq!(s.wait().unwrap().bytes, len);
     let got = r.into_buffer().unwrap();
-    assert!(got == pattern((prev * 1000 + len) as u64, len), "payload of {len} B from {prev} corrupted");
-    assert_eq!(s.into_buffer().unwrap(), out, "send buffer must come back intact");
+    assert!(
+        got == pattern((prev * 1000 + len) as u64, len),
+        "payload of {len} B from {prev} corrupted"
+    );
+    assert_eq!(
+        s.into_buffer().unwrap(),
+        out,
+        "send buffer must come back intact"
+    );
 }
 
 #[test]
@@ -45,21 +52,27 @@ fn isend_irecv_both_orders_all_sizes() {
 
 #[test]
 fn ring_of_sends_before_receives_never_deadlocks() {
-    run("ring_of_sends_before_receives_never_deadlocks", &[2, 3, 5], |g| {
-        let (next, prev) = ring(g);
-        // Large messages posted before any receive: needs a real progress engine.
-        let sends: Vec<_> = (0..4).map(|t| g.isend(vec![t as f32; 3 << 20], next, t).unwrap()).collect();
-        std::thread::sleep(Duration::from_millis(50));
-        for t in 0..4 {
-            let mut out = vec![0f32; 3 << 20];
-            let st = g.recv(&mut out, prev, t).unwrap();
-            assert_eq!(st.bytes, 12 << 20);
-            assert!(out.iter().all(|&x| x == t as f32));
-        }
-        for s in sends {
-            s.into_buffer().unwrap();
-        }
-    });
+    run(
+        "ring_of_sends_before_receives_never_deadlocks",
+        &[2, 3, 5],
+        |g| {
+            let (next, prev) = ring(g);
+            // Large messages posted before any receive: needs a real progress engine.
+            let sends: Vec<_> = (0..4)
+                .map(|t| g.isend(vec![t as f32; 3 << 20], next, t).unwrap())
+                .collect();
+            std::thread::sleep(Duration::from_millis(50));
+            for t in 0..4 {
+                let mut out = vec![0f32; 3 << 20];
+                let st = g.recv(&mut out, prev, t).unwrap();
+                assert_eq!(st.bytes, 12 << 20);
+                assert!(out.iter().all(|&x| x == t as f32));
+            }
+            for s in sends {
+                s.into_buffer().unwrap();
+            }
+        },
+    );
 }
 
 #[test]
@@ -94,7 +107,10 @@ fn many_outstanding_operations() {
         for p in (0..n).filter(|&p| p != g.rank()) {
             for k in 0..per {
                 let len = (k * 37) % 5000;
-                sends.push(g.isend(pattern((g.rank() * 7919 + k) as u64, len), p, k as u32).unwrap());
+                sends.push(
+                    g.isend(pattern((g.rank() * 7919 + k) as u64, len), p, k as u32)
+                        .unwrap(),
+                );
             }
         }
         for (p, k, len, w) in recvs {
@@ -226,12 +242,17 @@ fn invalid_rank_and_tag_are_typed_errors() {
     run("invalid_rank_and_tag_are_typed_errors", &[1, 3], |g| {
         let n = g.size();
         match g.isend(vec![1u8], n, 0) {
-            Err(Error::InvalidRank { peer, world, op, .. }) => {
+            Err(Error::InvalidRank {
+                peer, world, op, ..
+            }) => {
                 assert_eq!((peer, world, op), (n, n, "isend"))
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(g.irecv(vec![1u8], n + 5, 0), Err(Error::InvalidRank { .. })));
+        assert!(matches!(
+            g.irecv(vec![1u8], n + 5, 0),
+            Err(Error::InvalidRank { .. })
+        ));
         assert!(matches!(
             g.send(&[1u8], 0, distcomm::MAX_TAG + 1),
             Err(Error::TagOutOfRange { .. })
@@ -246,8 +267,17 @@ fn size_mismatch(g: &ProcessGroup, len: usize, tag: u32) {
         let data = pattern(1, len);
         let mut s = g.isend(data, peer, tag).unwrap();
         match s.wait() {
-            Err(Error::MessageTooLarge { sent, capacity, src, dst, .. }) => {
-                assert_eq!((sent, capacity, src, dst), (len as u64, (len / 2) as u64, 0, 1))
+            Err(Error::MessageTooLarge {
+                sent,
+                capacity,
+                src,
+                dst,
+                ..
+            }) => {
+                assert_eq!(
+                    (sent, capacity, src, dst),
+                    (len as u64, (len / 2) as u64, 0, 1)
+                )
             }
             other => panic!("sender of {len} B: {other:?}"),
         }
@@ -270,7 +300,7 @@ fn oversized_message_fails_both_sides() {
     run("oversized_message_fails_both_sides", &[2], |g| {
         size_mismatch(g, 1000, 1); // eager
         size_mismatch(g, 4 << 20, 2); // receiver-ready handshake
-        // The connection survives: normal traffic continues.
+                                      // The connection survives: normal traffic continues.
         exchange_pair(g);
     });
 }
@@ -292,7 +322,10 @@ fn element_type_mismatch_fails_both_sides() {
                 let mut s = g.isend(vec![1f32; len], peer, tag).unwrap();
                 match s.wait() {
                     Err(Error::DTypeMismatch { sent, expected, .. }) => {
-                        assert_eq!((sent, expected), (distcomm::DType::F32, distcomm::DType::I32))
+                        assert_eq!(
+                            (sent, expected),
+                            (distcomm::DType::F32, distcomm::DType::I32)
+                        )
                     }
                     other => panic!("{other:?}"),
                 }
@@ -315,38 +348,51 @@ fn element_type_mismatch_fails_both_sides() {
 
 #[test]
 fn peer_exit_mid_transfer_fails_dependent_operations() {
-    run("peer_exit_mid_transfer_fails_dependent_operations", &[2, 3, 4], |g| {
-        if g.rank() == 1 {
-            // Take part of a large message, then vanish without a word.
-            let _r = g.irecv(vec![0u8; 1], 0, 99).unwrap();
-            std::thread::sleep(Duration::from_millis(100));
-            std::process::exit(0);
-        }
-        let t = Instant::now();
-        if g.rank() == 0 {
-            let mut s = g.isend(vec![1u8; 32 << 20], 1, 1).unwrap();
-            let mut r = g.irecv(vec![0u8; 8], 1, 2).unwrap();
-            for res in [s.wait(), r.wait()] {
-                match res {
-                    Err(Error::PeerLost { peer: 1, rank: 0, .. }) => {}
-                    other => panic!("expected peer 1 lost, got {other:?}"),
+    run(
+        "peer_exit_mid_transfer_fails_dependent_operations",
+        &[2, 3, 4],
+        |g| {
+            if g.rank() == 1 {
+                // Take part of a large message, then vanish without a word.
+                let _r = g.irecv(vec![0u8; 1], 0, 99).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                std::process::exit(0);
+            }
+            let t = Instant::now();
+            if g.rank() == 0 {
+                let mut s = g.isend(vec![1u8; 32 << 20], 1, 1).unwrap();
+                let mut r = g.irecv(vec![0u8; 8], 1, 2).unwrap();
+                for res in [s.wait(), r.wait()] {
+                    match res {
+                        Err(Error::PeerLost {
+                            peer: 1, rank: 0, ..
+                        }) => {}
+                        other => panic!("expected peer 1 lost, got {other:?}"),
+                    }
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "detection took {:?}",
+                    t.elapsed()
+                );
+                // A new operation towards the dead peer fails at once.
+                assert!(matches!(
+                    g.isend(vec![1u8], 1, 3).unwrap().wait(),
+                    Err(Error::PeerLost { .. })
+                ));
+            }
+            // Survivors still talk to each other.
+            if g.size() > 2 {
+                let other = if g.rank() == 0 { 2 } else { 0 };
+                if g.rank() == 0 || g.rank() == 2 {
+                    let mut r = g.irecv(vec![0u8; 3], other, 5).unwrap();
+                    g.send(&[g.rank() as u8; 3], other, 5).unwrap();
+                    r.wait().unwrap();
+                    assert_eq!(r.into_buffer().unwrap(), vec![other as u8; 3]);
                 }
             }
-            assert!(t.elapsed() < Duration::from_secs(5), "detection took {:?}", t.elapsed());
-            // A new operation towards the dead peer fails at once.
-            assert!(matches!(g.isend(vec![1u8], 1, 3).unwrap().wait(), Err(Error::PeerLost { .. })));
-        }
-        // Survivors still talk to each other.
-        if g.size() > 2 {
-            let other = if g.rank() == 0 { 2 } else { 0 };
-            if g.rank() == 0 || g.rank() == 2 {
-                let mut r = g.irecv(vec![0u8; 3], other, 5).unwrap();
-                g.send(&[g.rank() as u8; 3], other, 5).unwrap();
-                r.wait().unwrap();
-                assert_eq!(r.into_buffer().unwrap(), vec![other as u8; 3]);
-            }
-        }
-    });
+        },
+    );
 }
 
 #[test]
@@ -356,6 +402,9 @@ fn abort_fails_pending_work() {
         let mut r = g.irecv(vec![0u8; 8], peer, 1).unwrap();
         g.abort();
         assert!(matches!(r.wait(), Err(Error::Aborted { .. })));
-        assert!(matches!(g.isend(vec![0u8], peer, 1).unwrap().wait(), Err(Error::Aborted { .. })));
+        assert!(matches!(
+            g.isend(vec![0u8], peer, 1).unwrap().wait(),
+            Err(Error::Aborted { .. })
+        ));
     });
 }

@@ -10,7 +10,8 @@ use distcomm::Error;
 
 fn pair() -> (TcpStoreServer, TcpStore) {
     let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
-    let client = TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
+    let client =
+        TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
     (server, client)
 }
 
@@ -35,7 +36,10 @@ fn set_get_add_check_delete_append() {
     assert_eq!(c.compare_set("cs", b"nope", b"v2").unwrap(), b"v1");
     assert_eq!(c.compare_set("cs", b"v1", b"v2").unwrap(), b"v2");
     c.multi_set(&[("m1", b"x"), ("m2", b"y")]).unwrap();
-    assert_eq!(c.multi_get(&["m1", "m2"]).unwrap(), vec![b"x".to_vec(), b"y".to_vec()]);
+    assert_eq!(
+        c.multi_get(&["m1", "m2"]).unwrap(),
+        vec![b"x".to_vec(), b"y".to_vec()]
+    );
     c.ping().unwrap();
 }
 
@@ -134,6 +138,7 @@ fn client_gives_up_on_a_missing_server_with_a_clear_error() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let e = TcpStore::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
+    let e =
+        TcpStore::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
     assert!(e.to_string().contains("connect to store"), "{e}");
 }

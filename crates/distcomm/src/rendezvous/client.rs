@@ -140,7 +140,11 @@ impl TcpStore {
                     "wait answered {other}, expected STOP_WAITING"
                 )))
             }
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
             Err(e) => return Err(Error::io(format!("store {}: wait", self.addr), e)),
         }
         // Timed out: cancel server-side; the server may have answered STOP_WAITING meanwhile.
@@ -185,7 +189,9 @@ impl TcpStore {
         let mut c = self.lock();
         self.do_wait(&mut c, keys, self.timeout)?;
         self.request(&mut c, &Self::keys_msg(MULTI_GET, keys), "multi_get")?;
-        keys.iter().map(|_| self.read_value(&mut c, "multi_get")).collect()
+        keys.iter()
+            .map(|_| self.read_value(&mut c, "multi_get"))
+            .collect()
     }
 }
 
@@ -270,6 +276,8 @@ impl Store for TcpStore {
 
 impl std::fmt::Debug for TcpStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpStore").field("addr", &self.addr).finish()
+        f.debug_struct("TcpStore")
+            .field("addr", &self.addr)
+            .finish()
     }
 }

@@ -83,7 +83,9 @@ pub fn read_key(r: &mut impl Read) -> io::Result<String> {
 pub fn read_count(r: &mut impl Read) -> io::Result<u64> {
     let n = read_u64(r)?;
     if n > MAX_KEY_COUNT {
-        return Err(invalid(format!("{n} keys exceed the limit of {MAX_KEY_COUNT}")));
+        return Err(invalid(format!(
+            "{n} keys exceed the limit of {MAX_KEY_COUNT}"
+        )));
     }
     Ok(n)
 }

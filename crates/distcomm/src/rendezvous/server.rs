@@ -18,9 +18,8 @@ struct Data {
 
 impl Data {
     fn ready(&self, keys: &[String]) -> bool {
-        keys.iter().all(|k| {
-            self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty())
-        })
+        keys.iter()
+            .all(|k| self.map.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty()))
     }
 }
 
@@ -97,7 +96,13 @@ impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.changed.notify_all();
-        for c in self.shared.clients.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        for c in self
+            .shared
+            .clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(h) = self.accept.take() {
@@ -113,10 +118,15 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
             Ok((stream, _)) => {
                 let _ = stream.set_nonblocking(false);
                 let _ = stream.set_nodelay(true);
-                let Ok(clone) = stream.try_clone() else { continue };
+                let Ok(clone) = stream.try_clone() else {
+                    continue;
+                };
                 next_id += 1;
                 let id = next_id;
-                sh.clients.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
+                sh.clients
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, clone);
                 let sh2 = sh.clone();
                 let _ = std::thread::Builder::new()
                     .name("distcomm-store-client".into())
@@ -124,7 +134,10 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                         // A client that breaks the protocol (or leaves) is disconnected.
                         let _ = serve(&stream, &sh2);
                         let _ = stream.shutdown(Shutdown::Both);
-                        sh2.clients.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                        sh2.clients
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&id);
                     });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {

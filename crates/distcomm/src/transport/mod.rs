@@ -36,10 +36,16 @@ fn parse_hello(b: &[u8; HELLO_LEN], world: usize) -> std::result::Result<usize, 
     }
     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
     if word(4) != HELLO_VERSION as usize {
-        return Err(format!("protocol version {} (we speak {HELLO_VERSION})", word(4)));
+        return Err(format!(
+            "protocol version {} (we speak {HELLO_VERSION})",
+            word(4)
+        ));
     }
     if word(12) != world {
-        return Err(format!("peer believes the world has {} ranks, we have {world}", word(12)));
+        return Err(format!(
+            "peer believes the world has {} ranks, we have {world}",
+            word(12)
+        ));
     }
     let r = word(8);
     if r >= world {
@@ -65,9 +71,13 @@ pub fn advertise_ip(master: &str) -> Result<IpAddr> {
         return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
     }
     let bind: SocketAddr = if target.is_ipv4() {
-        "0.0.0.0:0".parse().map_err(|_| Error::Config("bad bind".into()))?
+        "0.0.0.0:0"
+            .parse()
+            .map_err(|_| Error::Config("bad bind".into()))?
     } else {
-        "[::]:0".parse().map_err(|_| Error::Config("bad bind".into()))?
+        "[::]:0"
+            .parse()
+            .map_err(|_| Error::Config("bad bind".into()))?
     };
     let probe = UdpSocket::bind(bind).map_err(|e| Error::io("probe local address", e))?;
     probe
@@ -118,7 +128,8 @@ pub(crate) fn connect_mesh(
             peer,
             reason: e.to_string(),
         };
-        s.set_read_timeout(Some(remaining(deadline))).map_err(lost)?;
+        s.set_read_timeout(Some(remaining(deadline)))
+            .map_err(lost)?;
         s.write_all(&hello(rank, world)).map_err(lost)?;
         let mut reply = [0u8; HELLO_LEN];
         s.read_exact(&mut reply).map_err(lost)?;
@@ -144,7 +155,9 @@ pub(crate) fn connect_mesh(
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    let waiting: Vec<usize> = (rank + 1..world).filter(|&p| streams[p].is_none()).collect();
+                    let waiting: Vec<usize> = (rank + 1..world)
+                        .filter(|&p| streams[p].is_none())
+                        .collect();
                     return Err(Error::Timeout {
                         op: "connect mesh",
                         rank,

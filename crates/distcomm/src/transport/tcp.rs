@@ -64,7 +64,10 @@ fn set_buffers(stream: &TcpStream, bytes: usize) -> Result<()> {
             )
         };
         if rc != 0 {
-            return Err(Error::io("set socket buffer size", io::Error::last_os_error()));
+            return Err(Error::io(
+                "set socket buffer size",
+                io::Error::last_os_error(),
+            ));
         }
     }
     Ok(())
@@ -250,7 +253,12 @@ impl State {
     }
 
     /// Checks a matched receive against a message header.
-    fn check(&self, r: &Posted, src: usize, h: &Header) -> std::result::Result<(), (Error, NackReason)> {
+    fn check(
+        &self,
+        r: &Posted,
+        src: usize,
+        h: &Header,
+    ) -> std::result::Result<(), (Error, NackReason)> {
         if r.dtype != DType::Bytes && r.dtype != h.dtype {
             return Err((
                 Error::DTypeMismatch {
@@ -289,7 +297,12 @@ impl State {
         let (kind, aux, len, dtype) = match refusal {
             None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype),
             None => (Kind::Ack, 0, 0, h.dtype),
-            Some((reason, r)) => (Kind::Nack, reason as u32, r.buf.bytes().len() as u64, r.dtype),
+            Some((reason, r)) => (
+                Kind::Nack,
+                reason as u32,
+                r.buf.bytes().len() as u64,
+                r.dtype,
+            ),
         };
         if src == self.rank {
             let reply = Header {
@@ -335,7 +348,10 @@ impl State {
 
     /// Matches a newly posted receive against the unexpected queue, or queues it.
     fn post_recv(&mut self, mut r: Posted) {
-        let pos = self.unexpected.iter().position(|u| r.matches(u.src, &u.hdr));
+        let pos = self
+            .unexpected
+            .iter()
+            .position(|u| r.matches(u.src, &u.hdr));
         let Some(u) = pos.and_then(|i| self.unexpected.remove(i)) else {
             if let Some(src) = r.src {
                 if let Some(reason) = self.dead_reason(src) {
@@ -445,7 +461,8 @@ impl State {
             },
             Kind::Cts => {
                 let Some(s) = self.sends.get_mut(&h.msg_id).filter(|s| s.dst == p) else {
-                    return self.protocol(format!("clear-to-send for unknown message {}", h.msg_id));
+                    return self
+                        .protocol(format!("clear-to-send for unknown message {}", h.msg_id));
                 };
                 let Some(buf) = s.buf.take() else {
                     return self.protocol(format!("second clear-to-send for message {}", h.msg_id));
@@ -474,7 +491,10 @@ impl State {
                 Ok(Rx::Header)
             }
             Kind::Ack | Kind::Nack => {
-                let Some(s) = self.sends.remove(&h.msg_id).filter(|s| s.dst == p) else {
+                if !self.sends.get(&h.msg_id).is_some_and(|s| s.dst == p) {
+                    return self.protocol(format!("reply for unknown message {}", h.msg_id));
+                }
+                let Some(s) = self.sends.remove(&h.msg_id) else {
                     return self.protocol(format!("reply for unknown message {}", h.msg_id));
                 };
                 let result = if h.kind == Kind::Ack {
@@ -633,7 +653,11 @@ impl State {
                     if iov.len() + 2 > MAX_IOV {
                         break;
                     }
-                    let payload = o.payload.as_ref().map(|b| &b.bytes()[..o.plen]).unwrap_or(&[]);
+                    let payload = o
+                        .payload
+                        .as_ref()
+                        .map(|b| &b.bytes()[..o.plen])
+                        .unwrap_or(&[]);
                     if skip < HEADER_LEN {
                         iov.push(IoSlice::new(&o.hdr[skip..]));
                         if !payload.is_empty() {
@@ -716,27 +740,37 @@ impl State {
             ..
         } = std::mem::replace(&mut peer.rx, Rx::Header)
         {
-            r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+            r.cell
+                .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
         }
         let (lost, kept): (VecDeque<Posted>, VecDeque<Posted>) =
             self.posted.drain(..).partition(|r| r.src == Some(p));
         self.posted = kept;
         for r in lost {
-            r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+            r.cell
+                .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
         }
         let keys: Vec<_> = self.rdv.keys().filter(|k| k.0 == p).copied().collect();
         for k in keys {
             if let Some((r, _)) = self.rdv.remove(&k) {
-                r.cell.complete(Err(peer_lost(r.op, rank, p, &reason)), None);
+                r.cell
+                    .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
             }
         }
-        let ids: Vec<u64> = self.sends.iter().filter(|(_, s)| s.dst == p).map(|(k, _)| *k).collect();
+        let ids: Vec<u64> = self
+            .sends
+            .iter()
+            .filter(|(_, s)| s.dst == p)
+            .map(|(k, _)| *k)
+            .collect();
         for id in ids {
             if let Some(s) = self.sends.remove(&id) {
-                s.cell.complete(Err(peer_lost(s.op, rank, p, &reason)), None);
+                s.cell
+                    .complete(Err(peer_lost(s.op, rank, p, &reason)), None);
             }
         }
-        self.unexpected.retain(|u| !(u.src == p && u.data.is_none()));
+        self.unexpected
+            .retain(|u| !(u.src == p && u.data.is_none()));
     }
 
     /// One sweep over every live peer. Returns whether anything moved.
@@ -787,7 +821,8 @@ impl State {
             // Replies owed to peers (acks, clear-to-send, refusals) and a frame already half on
             // the wire still go out; only our own unsent messages are dropped.
             let mut first = peer.out_off > 0;
-            peer.out.retain(|o| std::mem::take(&mut first) || o.send_id.is_none());
+            peer.out
+                .retain(|o| std::mem::take(&mut first) || o.send_id.is_none());
             if let Rx::Payload {
                 target: Target::Recv(r),
                 ..
@@ -853,7 +888,10 @@ impl Shared {
             // that back-to-back waits do not have two threads fighting over each socket.
             let spinning = self.spinning.load(Ordering::Acquire) > 0
                 || (!self.handoff.load(Ordering::Acquire)
-                    && self.now_us().saturating_sub(self.last_spin_us.load(Ordering::Acquire)) < SPIN_GRACE_US);
+                    && self
+                        .now_us()
+                        .saturating_sub(self.last_spin_us.load(Ordering::Acquire))
+                        < SPIN_GRACE_US);
             self.watching.store(!spinning, Ordering::Release);
             if !spinning {
                 let st = self.lock();
@@ -930,7 +968,8 @@ impl Engine {
                 }
             });
         }
-        let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| Error::io("create wake pipe", e))?;
+        let (wake_tx, wake_rx) =
+            UnixStream::pair().map_err(|e| Error::io("create wake pipe", e))?;
         for s in [&wake_tx, &wake_rx] {
             s.set_nonblocking(true)
                 .map_err(|e| Error::io("set wake pipe nonblocking", e))?;
@@ -1033,7 +1072,11 @@ impl Engine {
         } else {
             pending.buf = Some(buf);
             Out {
-                hdr: Header { kind: Kind::Rts, ..hdr }.encode(),
+                hdr: Header {
+                    kind: Kind::Rts,
+                    ..hdr
+                }
+                .encode(),
                 kind: Kind::Rts,
                 payload: None,
                 plen: 0,
@@ -1145,7 +1188,9 @@ impl Engine {
             if !done {
                 self.sh.handoff.store(true, Ordering::Release);
             }
-            self.sh.last_spin_us.store(self.sh.now_us(), Ordering::Release);
+            self.sh
+                .last_spin_us
+                .store(self.sh.now_us(), Ordering::Release);
             if self.sh.spinning.fetch_sub(1, Ordering::AcqRel) == 1 && !done {
                 self.sh.poke();
             }
@@ -1209,7 +1254,9 @@ impl Drop for Engine {
             }
             let _ = peer.stream.shutdown(Shutdown::Write);
             let _ = peer.stream.set_nonblocking(false);
-            let left = linger.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+            let left = linger
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(10));
             let _ = peer.stream.set_read_timeout(Some(left));
             let mut sink = [0u8; 4096];
             while matches!(peer.stream.read(&mut sink), Ok(n) if n > 0) {}

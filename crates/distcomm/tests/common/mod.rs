@@ -34,14 +34,23 @@ pub fn run_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&Pro
             return;
         }
         let group = distcomm::init().unwrap_or_else(|e| panic!("init failed: {e}"));
-        assert_eq!(group.transport(), expected_transport(), "wrong transport ran");
+        assert_eq!(
+            group.transport(),
+            expected_transport(),
+            "wrong transport ran"
+        );
         body(&group);
         return;
     }
     let exe = std::env::current_exe().expect("test binary path");
     for &n in worlds {
         let mut cfg = LaunchConfig::local(n, exe.as_os_str());
-        cfg.args = vec![name.into(), "--exact".into(), "--nocapture".into(), "--test-threads=1".into()];
+        cfg.args = vec![
+            name.into(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ];
         cfg.env.push((CHILD.into(), name.into()));
         for (k, v) in env {
             cfg.env.push(((*k).into(), (*v).into()));

@@ -491,7 +491,7 @@ impl State {
                 Ok(Rx::Header)
             }
             Kind::Ack | Kind::Nack => {
-                if !self.sends.get(&h.msg_id).is_some_and(|s| s.dst == p) {
+                if self.sends.get(&h.msg_id).is_none_or(|s| s.dst != p) {
                     return self.protocol(format!("reply for unknown message {}", h.msg_id));
                 }
                 let Some(s) = self.sends.remove(&h.msg_id) else {

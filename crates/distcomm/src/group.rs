@@ -132,7 +132,7 @@ impl GroupBuilder {
             None => Duration::ZERO,
         };
         let eager_max = env_u64("DISTCOMM_EAGER_MAX")?.unwrap_or(64 * 1024) as usize;
-        let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.unwrap_or(0) as usize;
+        let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.map(|b| b as usize);
         let cfg = EngineConfig {
             eager_max,
             spin,

@@ -55,7 +55,7 @@ pub fn run_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&Pro
         for (k, v) in env {
             cfg.env.push(((*k).into(), (*v).into()));
         }
-        cfg.timeout = Some(Duration::from_secs(180));
+        cfg.timeout = Some(Duration::from_secs(120));
         if let Err(e) = launch(&cfg) {
             panic!("{name} with world size {n}: {e}");
         }

@@ -91,6 +91,23 @@ pub enum Error {
         peer: usize,
         detail: String,
     },
+    /// An argument that cannot work (buffer sizes, operator for the element type, root, ...).
+    #[error("{op} on rank {rank}: {detail}")]
+    InvalidArgument {
+        op: &'static str,
+        rank: usize,
+        detail: String,
+    },
+    /// Ranks called different collectives (or the same with different arguments) at the same
+    /// point of their sequence.
+    #[error("{op} on rank {rank}: collective mismatch with rank {peer}: this rank called {ours}, rank {peer} called {theirs}")]
+    Desync {
+        op: &'static str,
+        rank: usize,
+        peer: usize,
+        ours: String,
+        theirs: String,
+    },
     /// The environment does not describe a complete job.
     #[error("incomplete environment: missing {}", missing.join(", "))]
     MissingEnv { missing: Vec<String> },

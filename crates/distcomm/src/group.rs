@@ -1,13 +1,15 @@
 //! The process group: what users call.
 
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use crate::dtype::{DType, Element};
 use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::{Engine, EngineConfig};
 use crate::transport::{advertise_ip, connect_mesh};
 use crate::work::{BoxBuf, Driver, Status, Work};
@@ -19,8 +21,6 @@ pub const MAX_TAG: u32 = i32::MAX as u32;
 /// [`GroupBuilder::timeout`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-const CTX_USER: u32 = 0;
-const CTX_BARRIER: u32 = 1;
 
 /// Builds a [`ProcessGroup`] explicitly, or from the environment with [`GroupBuilder::from_env`].
 ///
@@ -140,12 +140,20 @@ impl GroupBuilder {
         };
         let engine = Engine::start(self.rank, streams, cfg)?;
         let group = ProcessGroup {
-            rank: self.rank,
-            world: self.world,
-            timeout,
-            engine,
-            _store: store,
-            _server: server,
+            inner: Arc::new(Inner {
+                engine,
+                members: Arc::new((0..self.world).collect()),
+                rank: self.rank,
+                ctx: 0,
+                timeout,
+                coll_seq: AtomicU32::new(0),
+                groups: Arc::new(AtomicU32::new(0)),
+                worker: Mutex::new(None),
+                keep: Arc::new(Keep {
+                    _store: store,
+                    _server: server,
+                }),
+            }),
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
@@ -213,38 +221,142 @@ pub fn init() -> Result<ProcessGroup> {
     GroupBuilder::from_env()?.build()
 }
 
-/// A group of ranks that can exchange messages.
+/// A group of ranks that can exchange messages: the world from [`init`], or a subgroup from
+/// [`ProcessGroup::new_group`]. Ranks in its API are ranks *within the group*; errors name
+/// global ranks.
 ///
 /// Buffers are passed by ownership to the nonblocking calls and handed back by
 /// [`Work::into_buffer`]; the blocking calls borrow slices and copy.
 pub struct ProcessGroup {
-    rank: usize,
-    world: usize,
-    timeout: Duration,
-    engine: Arc<Engine>,
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// What keeps the rendezvous alive as long as any group of the job lives.
+struct Keep {
     _store: PrefixStore,
     _server: Option<TcpStoreServer>,
 }
 
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+pub(crate) struct Inner {
+    pub(crate) engine: Arc<Engine>,
+    /// Group rank -> global rank.
+    pub(crate) members: Arc<Vec<usize>>,
+    /// This process's rank in the group.
+    pub(crate) rank: usize,
+    /// Base of the group's four communication contexts (user p2p, barrier, collectives).
+    pub(crate) ctx: u32,
+    pub(crate) timeout: Duration,
+    /// Sequence number of the next collective: its tag.
+    pub(crate) coll_seq: AtomicU32,
+    /// Job-wide count of subgroups created, to give each its own contexts.
+    groups: Arc<AtomicU32>,
+    /// Runs this group's asynchronous collectives in issue order.
+    pub(crate) worker: Mutex<Option<mpsc::Sender<Job>>>,
+    keep: Arc<Keep>,
+}
+
+pub(crate) const CTX_USER: u32 = 0;
+pub(crate) const CTX_BARRIER: u32 = 1;
+pub(crate) const CTX_COLL: u32 = 2;
+const CTX_PER_GROUP: u32 = 4;
+
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProcessGroup")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .field("members", &self.inner.members)
             .field("transport", &self.transport())
             .finish()
     }
 }
 
-impl ProcessGroup {
-    /// This process's rank.
-    pub fn rank(&self) -> usize {
-        self.rank
+impl Inner {
+    pub(crate) fn size(&self) -> usize {
+        self.members.len()
     }
 
-    /// Number of ranks.
+    pub(crate) fn global(&self, op: &'static str, peer: usize) -> Result<usize> {
+        self.members.get(peer).copied().ok_or(Error::InvalidRank {
+            op,
+            rank: self.rank,
+            peer,
+            world: self.members.len(),
+        })
+    }
+
+    fn map(&self) -> Option<Arc<Vec<usize>>> {
+        (self.ctx != 0).then(|| self.members.clone())
+    }
+
+    pub(crate) fn driver(&self) -> Arc<dyn Driver> {
+        self.engine.clone()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_send<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        dst: usize,
+        ctx: u32,
+        tag: u32,
+        fp: Fingerprint,
+    ) -> Result<Work<B>> {
+        let g = self.global(op, dst)?;
+        let (id, cell) = self.engine.isend(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        Ok(Work::new(cell, self.driver(), id, op, Some(dst), self.timeout).with_map(self.map()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_recv<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        src: Option<usize>,
+        ctx: u32,
+        tag: u32,
+        fp: Fingerprint,
+    ) -> Result<Work<B>> {
+        let g = match src {
+            Some(s) => Some(self.global(op, s)?),
+            None if self.ctx == 0 => None,
+            None => {
+                return Err(Error::InvalidArgument {
+                    op,
+                    rank: self.rank,
+                    detail: "receive from any source is only supported on the world group".into(),
+                })
+            }
+        };
+        let (id, cell) = self.engine.irecv(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        Ok(Work::new(cell, self.driver(), id, op, src, self.timeout).with_map(self.map()))
+    }
+}
+
+impl ProcessGroup {
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks in the group.
     pub fn size(&self) -> usize {
-        self.world
+        self.inner.size()
+    }
+
+    /// Global (world) rank of group rank `r`.
+    pub fn global_rank(&self, r: usize) -> Option<usize> {
+        self.inner.members.get(r).copied()
+    }
+
+    /// Group rank of global rank `g`, if it is a member.
+    pub fn group_rank(&self, g: usize) -> Option<usize> {
+        self.inner.members.iter().position(|&m| m == g)
     }
 
     /// Name of the transport that carries this group's messages.
@@ -254,74 +366,77 @@ impl ProcessGroup {
 
     /// Default deadline of blocking calls.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.inner.timeout
     }
 
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.world {
-            return Err(Error::InvalidRank {
-                op,
-                rank: self.rank,
-                peer,
-                world: self.world,
+    /// Creates a subgroup of the group ranks `ranks` (in that order: `ranks[i]` becomes rank
+    /// `i` of the subgroup), with its own message contexts and collective sequence.
+    ///
+    /// As in torch, **every** rank of this group must call `new_group`, with the same `ranks`,
+    /// in the same order relative to other `new_group` calls; ranks outside the subgroup get
+    /// `Ok(None)` and no handle, so they can never hang in it.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// let world = distcomm::init()?;
+    /// if let Some(evens) = world.new_group(&[0, 2])? {
+    ///     let mut x = [world.rank() as f32];
+    ///     evens.all_reduce(&mut x, distcomm::ReduceOp::Sum)?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let id = self.inner.groups.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut seen = vec![false; self.size()];
+        for &r in ranks {
+            if r >= self.size() || std::mem::replace(&mut seen[r], true) {
+                return Err(Error::InvalidArgument {
+                    op: "new_group",
+                    rank: self.rank(),
+                    detail: format!("ranks {ranks:?} must be distinct ranks below {}", self.size()),
+                });
+            }
+        }
+        if ranks.is_empty() {
+            return Err(Error::InvalidArgument {
+                op: "new_group",
+                rank: self.rank(),
+                detail: "a group needs at least one rank".into(),
             });
         }
-        Ok(())
+        let Some(me) = ranks.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
+        Ok(Some(ProcessGroup {
+            inner: Arc::new(Inner {
+                engine: self.inner.engine.clone(),
+                members: Arc::new(members),
+                rank: me,
+                ctx: id.checked_mul(CTX_PER_GROUP).ok_or_else(|| Error::InvalidArgument {
+                    op: "new_group",
+                    rank: self.rank(),
+                    detail: "too many groups".into(),
+                })?,
+                timeout: self.inner.timeout,
+                coll_seq: AtomicU32::new(0),
+                groups: self.inner.groups.clone(),
+                worker: Mutex::new(None),
+                keep: self.inner.keep.clone(),
+            }),
+        }))
     }
 
     fn check_tag(&self, op: &'static str, tag: u32) -> Result<()> {
         if tag > MAX_TAG {
             return Err(Error::TagOutOfRange {
                 op,
-                rank: self.rank,
+                rank: self.rank(),
                 tag,
                 max: MAX_TAG,
             });
         }
         Ok(())
-    }
-
-    fn driver(&self) -> Arc<dyn Driver> {
-        self.engine.clone()
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn post_send<B: 'static>(
-        &self,
-        op: &'static str,
-        buf: BoxBuf,
-        dtype: DType,
-        dst: usize,
-        ctx: u32,
-        tag: u32,
-    ) -> Result<Work<B>> {
-        self.check_peer(op, dst)?;
-        let (id, cell) = self.engine.isend(op, buf, dtype, dst, ctx, tag);
-        Ok(Work::new(
-            cell,
-            self.driver(),
-            id,
-            op,
-            Some(dst),
-            self.timeout,
-        ))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn post_recv<B: 'static>(
-        &self,
-        op: &'static str,
-        buf: BoxBuf,
-        dtype: DType,
-        src: Option<usize>,
-        ctx: u32,
-        tag: u32,
-    ) -> Result<Work<B>> {
-        if let Some(s) = src {
-            self.check_peer(op, s)?;
-        }
-        let (id, cell) = self.engine.irecv(op, buf, dtype, src, ctx, tag);
-        Ok(Work::new(cell, self.driver(), id, op, src, self.timeout))
     }
 
     /// Starts sending `buf` to `dst`; returns at once. The buffer comes back from
@@ -336,7 +451,8 @@ impl ProcessGroup {
     /// ```
     pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("isend", tag)?;
-        self.post_send("isend", Box::new(buf), T::DTYPE, dst, CTX_USER, tag)
+        self.inner
+            .post_send("isend", Box::new(buf), T::DTYPE, dst, CTX_USER, tag, Fingerprint::NONE)
     }
 
     /// Starts receiving into `buf` from `src`; returns at once. A message longer than `buf` fails
@@ -344,46 +460,44 @@ impl ProcessGroup {
     /// how many bytes).
     pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("irecv", tag)?;
-        self.post_recv("irecv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag)
+        self.inner
+            .post_recv("irecv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag, Fingerprint::NONE)
     }
 
     /// Like [`irecv`](Self::irecv) from whichever rank sends first with `tag`; the status names
-    /// the source.
+    /// the source. World group only.
     pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("irecv", tag)?;
-        self.post_recv("irecv", Box::new(buf), T::DTYPE, None, CTX_USER, tag)
+        self.inner
+            .post_recv("irecv", Box::new(buf), T::DTYPE, None, CTX_USER, tag, Fingerprint::NONE)
     }
 
     /// Sends raw bytes (element type `bytes`).
     pub fn isend_bytes(&self, buf: Vec<u8>, dst: usize, tag: u32) -> Result<Work<Vec<u8>>> {
         self.check_tag("isend", tag)?;
-        self.post_send("isend", Box::new(buf), DType::Bytes, dst, CTX_USER, tag)
+        self.inner
+            .post_send("isend", Box::new(buf), DType::Bytes, dst, CTX_USER, tag, Fingerprint::NONE)
     }
 
     /// Receives raw bytes; accepts a message of any element type.
     pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
         self.check_tag("irecv", tag)?;
-        self.post_recv(
-            "irecv",
-            Box::new(buf),
-            DType::Bytes,
-            Some(src),
-            CTX_USER,
-            tag,
-        )
+        self.inner
+            .post_recv("irecv", Box::new(buf), DType::Bytes, Some(src), CTX_USER, tag, Fingerprint::NONE)
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
     /// to avoid the copy).
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
         self.check_tag("send", tag)?;
-        let mut w: Work<Vec<T>> = self.post_send(
+        let mut w: Work<Vec<T>> = self.inner.post_send(
             "send",
             Box::new(data.to_vec()),
             T::DTYPE,
             dst,
             CTX_USER,
             tag,
+            Fingerprint::NONE,
         )?;
         w.wait().map(|_| ())
     }
@@ -392,42 +506,49 @@ impl ProcessGroup {
     pub fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<Status> {
         self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.post_recv("recv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag)?;
+        let w = self
+            .inner
+            .post_recv("recv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag, Fingerprint::NONE)?;
         finish_recv(w, out)
     }
 
-    /// Blocking receive from any source.
+    /// Blocking receive from any source (world group only).
     pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
         self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.post_recv("recv", Box::new(buf), T::DTYPE, None, CTX_USER, tag)?;
+        let w = self
+            .inner
+            .post_recv("recv", Box::new(buf), T::DTYPE, None, CTX_USER, tag, Fingerprint::NONE)?;
         finish_recv(w, out)
     }
 
-    /// Blocks until every rank has entered the barrier (dissemination algorithm, ⌈log₂ n⌉
-    /// rounds of zero-byte messages).
+    /// Blocks until every rank of the group has entered the barrier (dissemination algorithm,
+    /// ⌈log₂ n⌉ rounds of zero-byte messages).
     pub fn barrier(&self) -> Result<()> {
-        let n = self.world;
+        let n = self.size();
+        let me = self.rank();
         let mut dist = 1;
         let mut round = 0u32;
         while dist < n {
-            let to = (self.rank + dist) % n;
-            let from = (self.rank + n - dist) % n;
-            let mut r: Work<Vec<u8>> = self.post_recv(
+            let to = (me + dist) % n;
+            let from = (me + n - dist) % n;
+            let mut r: Work<Vec<u8>> = self.inner.post_recv(
                 "barrier",
                 Box::new(Vec::<u8>::new()),
                 DType::U8,
                 Some(from),
                 CTX_BARRIER,
                 round,
+                Fingerprint::NONE,
             )?;
-            let mut s: Work<Vec<u8>> = self.post_send(
+            let mut s: Work<Vec<u8>> = self.inner.post_send(
                 "barrier",
                 Box::new(Vec::<u8>::new()),
                 DType::U8,
                 to,
                 CTX_BARRIER,
                 round,
+                Fingerprint::NONE,
             )?;
             r.wait()?;
             s.wait()?;
@@ -437,15 +558,16 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// Fails every pending operation of this group promptly with [`Error::Aborted`]; later
-    /// operations fail at once.
+    /// Fails every pending operation of this process (all groups) promptly with
+    /// [`Error::Aborted`]; later operations fail at once.
     pub fn abort(&self) {
-        self.engine.abort("aborted by the user");
+        self.inner.engine.abort("aborted by the user");
     }
 
-    /// Why the connection to `peer` failed, if it has.
+    /// Why the connection to group rank `peer` failed, if it has.
     pub fn peer_failure(&self, peer: usize) -> Option<String> {
-        self.engine.peer_failure(peer)
+        let g = self.global_rank(peer)?;
+        self.inner.engine.peer_failure(g)
     }
 }
 

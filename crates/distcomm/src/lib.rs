@@ -23,11 +23,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod algorithms;
 pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod group;
 pub mod launch;
+pub mod reduce;
 pub mod rendezvous;
 pub mod transport;
 mod work;

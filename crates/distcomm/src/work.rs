@@ -190,6 +190,8 @@ pub struct Work<B> {
     op: &'static str,
     peer: Option<usize>,
     default_timeout: Duration,
+    /// Translates a global peer rank in the status into a group rank.
+    map: Option<Arc<Vec<usize>>>,
     _buf: PhantomData<fn() -> B>,
 }
 
@@ -209,7 +211,25 @@ impl<B: 'static> Work<B> {
             op,
             peer,
             default_timeout,
+            map: None,
             _buf: PhantomData,
+        }
+    }
+
+    pub(crate) fn with_map(mut self, map: Option<Arc<Vec<usize>>>) -> Self {
+        self.map = map;
+        self
+    }
+
+    fn translate(&self, r: Result<Status>) -> Result<Status> {
+        match (&self.map, r) {
+            (Some(m), Ok(mut st)) => {
+                if let Some(p) = m.iter().position(|&g| g == st.peer) {
+                    st.peer = p;
+                }
+                Ok(st)
+            }
+            (_, r) => r,
         }
     }
 
@@ -237,7 +257,7 @@ impl<B: 'static> Work<B> {
             });
         }
         match self.cell.result() {
-            Some(r) => r,
+            Some(r) => self.translate(r),
             None => Err(Error::Timeout {
                 op: self.op,
                 rank: self.driver.rank(),
@@ -286,8 +306,9 @@ impl<B: 'static> Future for Work<B> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut slot = self.cell.lock();
-        if let Some(r) = &slot.result {
-            return Poll::Ready(r.clone());
+        if let Some(r) = slot.result.clone() {
+            drop(slot);
+            return Poll::Ready(self.translate(r));
         }
         slot.waker = Some(cx.waker().clone());
         Poll::Pending

@@ -1,4 +1,4 @@
-//! The wire format of the native transports: a fixed 32-byte little-endian header, optionally
+//! The wire format of the native transports: a fixed 48-byte little-endian header, optionally
 //! followed by a payload whose length the header states.
 //!
 //! ```text
@@ -11,14 +11,23 @@
 //!     12    4 aux      (Nack: reason code)
 //!     16    8 msg_id   (sender-chosen, unique per connection)
 //!     24    8 len      (payload bytes for Eager/Data; announced size for Rts; capacity for Nack)
+//!     32    1 fp.kind  (collective fingerprint: 0 for point-to-point)
+//!     33    1 fp.op    (reduce operator, 0 when none)
+//!     34    2 reserved (zero)
+//!     36    4 fp.root
+//!     40    8 fp.count (elements in the whole collective call)
 //! ```
+//!
+//! The fingerprint travels with every message of a collective (its sequence number is the tag),
+//! so a receiver matching a message of another collective, or of the same one called with other
+//! arguments, refuses it on both sides instead of delivering wrong data.
 //!
 //! The decoder is pure (no I/O) and rejects anything out of bounds before any allocation.
 
 use crate::dtype::DType;
 
 /// Header size in bytes.
-pub const HEADER_LEN: usize = 32;
+pub const HEADER_LEN: usize = 48;
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +55,57 @@ pub enum NackReason {
     TooLarge = 1,
     /// The posted receive expects another element type; `dtype` carries it.
     DType = 2,
+    /// The posted receive belongs to another collective call; `fp` carries it.
+    Desync = 3,
+}
+
+/// What a collective call was: kind, operator, root and element count. Zero for point-to-point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Fingerprint {
+    pub kind: u8,
+    pub op: u8,
+    pub root: u32,
+    pub count: u64,
+}
+
+/// Names of fingerprint kinds on the wire (index = `kind`).
+pub const KIND_NAMES: [&str; 10] = [
+    "point-to-point",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+];
+
+/// Names of reduce operators on the wire (index = `op`).
+pub const OP_NAMES: [&str; 9] = ["", "sum", "product", "min", "max", "avg", "band", "bor", "bxor"];
+
+impl Fingerprint {
+    /// Point-to-point messages carry no fingerprint.
+    pub const NONE: Fingerprint = Fingerprint {
+        kind: 0,
+        op: 0,
+        root: 0,
+        count: 0,
+    };
+
+    /// Human-readable description, e.g. `all_reduce(op=sum, count=10, dtype=f32)`.
+    pub fn describe(&self, dtype: DType) -> String {
+        let kind = KIND_NAMES.get(self.kind as usize).copied().unwrap_or("unknown");
+        let mut s = format!("{kind}(");
+        if let Some(op) = OP_NAMES.get(self.op as usize).filter(|o| !o.is_empty()) {
+            s += &format!("op={op}, ");
+        }
+        if matches!(kind, "broadcast" | "reduce" | "gather" | "scatter") {
+            s += &format!("root={}, ", self.root);
+        }
+        s + &format!("count={}, dtype={dtype})", self.count)
+    }
 }
 
 /// A decoded header.
@@ -58,6 +118,7 @@ pub struct Header {
     pub aux: u32,
     pub msg_id: u64,
     pub len: u64,
+    pub fp: Fingerprint,
 }
 
 /// A header that breaks the protocol.
@@ -75,6 +136,10 @@ impl Header {
         b[12..16].copy_from_slice(&self.aux.to_le_bytes());
         b[16..24].copy_from_slice(&self.msg_id.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32] = self.fp.kind;
+        b[33] = self.fp.op;
+        b[36..40].copy_from_slice(&self.fp.root.to_le_bytes());
+        b[40..48].copy_from_slice(&self.fp.count.to_le_bytes());
         b
     }
 
@@ -92,7 +157,7 @@ impl Header {
         };
         let dtype =
             DType::from_wire(b[1]).ok_or_else(|| DecodeError(format!("unknown dtype {}", b[1])))?;
-        if b[2] != 0 || b[3] != 0 {
+        if b[2] != 0 || b[3] != 0 || b[34] != 0 || b[35] != 0 {
             return Err(DecodeError("reserved header bytes are not zero".into()));
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -109,6 +174,12 @@ impl Header {
             aux: u32_at(12),
             msg_id: u64_at(16),
             len: u64_at(24),
+            fp: Fingerprint {
+                kind: b[32],
+                op: b[33],
+                root: u32_at(36),
+                count: u64_at(40),
+            },
         };
         if h.kind == Kind::Eager && h.len > eager_max {
             return Err(DecodeError(format!(
@@ -141,17 +212,20 @@ mod tests {
 
     proptest! {
         #[test]
-        fn decode_never_panics(bytes in proptest::array::uniform32(any::<u8>())) {
-            let _ = Header::decode(&bytes, 1 << 16);
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
+            let mut raw = [0u8; HEADER_LEN];
+            raw.copy_from_slice(&bytes);
+            let _ = Header::decode(&raw, 1 << 16);
         }
 
         #[test]
-        fn roundtrip(kind in 1u8..=6, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000) {
+        fn roundtrip(kind in 1u8..=6, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000, fk: u8, fo: u8, root: u32, count: u64) {
             let dtype = DType::from_wire(dt).unwrap();
             let mut raw = [0u8; HEADER_LEN];
             raw[0] = kind;
             let kind = Header::decode(&raw, 0).unwrap().kind;
-            let h = Header { kind, dtype, ctx, tag, aux, msg_id: id, len: n * dtype.size() as u64 };
+            let fp = Fingerprint { kind: fk, op: fo, root, count };
+            let h = Header { kind, dtype, ctx, tag, aux, msg_id: id, len: n * dtype.size() as u64, fp };
             prop_assert_eq!(Header::decode(&h.encode(), u64::MAX).unwrap(), h);
         }
     }
@@ -166,6 +240,7 @@ mod tests {
             aux: 0,
             msg_id: 0,
             len: 1 << 40,
+            fp: Fingerprint::NONE,
         };
         assert!(Header::decode(&h.encode(), 1 << 16).is_err());
     }

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::frame::{Header, Kind, NackReason, HEADER_LEN};
+use super::frame::{Fingerprint, Header, Kind, NackReason, HEADER_LEN};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::{block, BoxBuf, Driver, OpCell, Status};
@@ -102,6 +102,7 @@ struct Posted {
     ctx: u32,
     tag: u32,
     dtype: DType,
+    fp: Fingerprint,
     buf: BoxBuf,
     cell: Arc<OpCell>,
 }
@@ -122,6 +123,7 @@ struct Unexpected {
 struct PendingSend {
     op: &'static str,
     dtype: DType,
+    fp: Fingerprint,
     dst: usize,
     tag: u32,
     len: usize,
@@ -244,7 +246,17 @@ impl State {
         }
     }
 
-    fn ctrl(&mut self, p: usize, kind: Kind, msg_id: u64, aux: u32, len: u64, dtype: DType) {
+    #[allow(clippy::too_many_arguments)]
+    fn ctrl(
+        &mut self,
+        p: usize,
+        kind: Kind,
+        msg_id: u64,
+        aux: u32,
+        len: u64,
+        dtype: DType,
+        fp: Fingerprint,
+    ) {
         let hdr = Header {
             kind,
             dtype,
@@ -253,6 +265,7 @@ impl State {
             aux,
             msg_id,
             len,
+            fp,
         };
         self.push_out(
             p,
@@ -273,6 +286,18 @@ impl State {
         src: usize,
         h: &Header,
     ) -> std::result::Result<(), (Error, NackReason)> {
+        if r.fp != h.fp {
+            return Err((
+                Error::Desync {
+                    op: r.op,
+                    rank: self.rank,
+                    peer: src,
+                    ours: r.fp.describe(r.dtype),
+                    theirs: h.fp.describe(h.dtype),
+                },
+                NackReason::Desync,
+            ));
+        }
         if r.dtype != DType::Bytes && r.dtype != h.dtype {
             return Err((
                 Error::DTypeMismatch {
@@ -308,14 +333,15 @@ impl State {
     /// Answers the sender of an eager message or Rts: Ack/Cts on success, Nack on refusal.
     /// Self-sends are answered in place.
     fn answer(&mut self, src: usize, h: &Header, refusal: Option<(NackReason, &Posted)>) {
-        let (kind, aux, len, dtype) = match refusal {
-            None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype),
-            None => (Kind::Ack, 0, 0, h.dtype),
+        let (kind, aux, len, dtype, fp) = match refusal {
+            None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype, Fingerprint::NONE),
+            None => (Kind::Ack, 0, 0, h.dtype, Fingerprint::NONE),
             Some((reason, r)) => (
                 Kind::Nack,
                 reason as u32,
                 r.buf.bytes().len() as u64,
                 r.dtype,
+                r.fp,
             ),
         };
         if src == self.rank {
@@ -327,11 +353,12 @@ impl State {
                 aux,
                 msg_id: h.msg_id,
                 len,
+                fp,
             };
             // A self-send never uses Rts, so a reply is Ack or Nack; errors cannot occur.
             let _ = self.on_header(src, reply);
         } else {
-            self.ctrl(src, kind, h.msg_id, aux, len, dtype);
+            self.ctrl(src, kind, h.msg_id, aux, len, dtype, fp);
         }
     }
 
@@ -489,6 +516,7 @@ impl State {
                     aux: 0,
                     msg_id: h.msg_id,
                     len: s.len as u64,
+                    fp: Fingerprint::NONE,
                 };
                 let plen = s.len;
                 s.cell.kick();
@@ -516,6 +544,14 @@ impl State {
                         peer: p,
                         tag: s.tag,
                         bytes: s.len,
+                    })
+                } else if h.aux == NackReason::Desync as u32 {
+                    Err(Error::Desync {
+                        op: s.op,
+                        rank: self.rank,
+                        peer: p,
+                        ours: s.fp.describe(s.dtype),
+                        theirs: h.fp.describe(h.dtype),
                     })
                 } else if h.aux == NackReason::DType as u32 {
                     Err(Error::DTypeMismatch {
@@ -1073,6 +1109,7 @@ impl Engine {
         dst: usize,
         ctx: u32,
         tag: u32,
+        fp: Fingerprint,
     ) -> (u64, Arc<OpCell>) {
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
@@ -1086,10 +1123,12 @@ impl Engine {
             aux: 0,
             msg_id: id,
             len: len as u64,
+            fp,
         };
         let mut pending = PendingSend {
             op,
             dtype,
+            fp,
             dst,
             tag,
             len,
@@ -1159,6 +1198,7 @@ impl Engine {
         src: Option<usize>,
         ctx: u32,
         tag: u32,
+        fp: Fingerprint,
     ) -> (u64, Arc<OpCell>) {
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
@@ -1170,6 +1210,7 @@ impl Engine {
             ctx,
             tag,
             dtype,
+            fp,
             buf,
             cell: cell.clone(),
         });

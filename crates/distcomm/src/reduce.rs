@@ -1,0 +1,172 @@
+//! Reduction operators and their kernels.
+//!
+//! Each kernel matches on the operator once, outside the loop, and the loop body is a plain
+//! element-wise expression over two slices, so the compiler vectorises it (no per-element
+//! dynamic dispatch). Integer arithmetic wraps on overflow (as two's-complement hardware and
+//! NCCL do) rather than panicking.
+//!
+//! * `f16`/`bf16`: collectives reduce them in `f32` and round once at the end (the data travels
+//!   as `f32`); see [`ReduceOp`].
+//! * `Avg` on integers: the wrapping sum divided by the number of ranks, rounded toward zero.
+
+use crate::dtype::Element;
+
+/// How values are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Product,
+    Min,
+    Max,
+    /// Sum divided by the number of contributing ranks (integers: rounded toward zero).
+    Avg,
+    /// Bitwise and (integer types only).
+    BAnd,
+    /// Bitwise or (integer types only).
+    BOr,
+    /// Bitwise xor (integer types only).
+    BXor,
+}
+
+impl ReduceOp {
+    /// Name as in torch (`SUM`, `AVG`, ...), lower case.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Product => "product",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
+        }
+    }
+
+    /// Whether this is a bitwise operator.
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
+}
+
+/// Element types that can be reduced.
+pub trait Reducible: Element {
+    /// Whether bitwise operators apply.
+    const INTEGER: bool;
+    /// `dst[i] = dst[i] op src[i]`. `Avg` combines like `Sum`; [`Reducible::finish_avg`] divides.
+    fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp);
+    /// Divides every element by `n` (the end of an average).
+    fn finish_avg(buf: &mut [Self], n: usize);
+}
+
+macro_rules! float_kernels {
+    ($($t:ty),*) => {$(
+        impl Reducible for $t {
+            const INTEGER: bool = false;
+            fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
+                let it = dst.iter_mut().zip(src);
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => it.for_each(|(d, s)| *d += *s),
+                    ReduceOp::Product => it.for_each(|(d, s)| *d *= *s),
+                    ReduceOp::Min => it.for_each(|(d, s)| *d = d.min(*s)),
+                    ReduceOp::Max => it.for_each(|(d, s)| *d = d.max(*s)),
+                    // Refused before any data moves (see `check_op`).
+                    ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {}
+                }
+            }
+            fn finish_avg(buf: &mut [Self], n: usize) {
+                let k = n as $t;
+                buf.iter_mut().for_each(|x| *x /= k);
+            }
+        }
+    )*};
+}
+
+macro_rules! int_kernels {
+    ($($t:ty),*) => {$(
+        impl Reducible for $t {
+            const INTEGER: bool = true;
+            fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
+                let it = dst.iter_mut().zip(src);
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => it.for_each(|(d, s)| *d = d.wrapping_add(*s)),
+                    ReduceOp::Product => it.for_each(|(d, s)| *d = d.wrapping_mul(*s)),
+                    ReduceOp::Min => it.for_each(|(d, s)| *d = (*d).min(*s)),
+                    ReduceOp::Max => it.for_each(|(d, s)| *d = (*d).max(*s)),
+                    ReduceOp::BAnd => it.for_each(|(d, s)| *d &= *s),
+                    ReduceOp::BOr => it.for_each(|(d, s)| *d |= *s),
+                    ReduceOp::BXor => it.for_each(|(d, s)| *d ^= *s),
+                }
+            }
+            fn finish_avg(buf: &mut [Self], n: usize) {
+                // n is a world size, far inside every integer type's range except i8 for
+                // worlds over 127, where the average of i8 values is then 0.
+                let k = <$t>::try_from(n).unwrap_or(<$t>::MAX);
+                buf.iter_mut().for_each(|x| *x = x.wrapping_div(k));
+            }
+        }
+    )*};
+}
+
+float_kernels!(f32, f64);
+int_kernels!(u8, i8, i32, i64);
+
+macro_rules! half_kernels {
+    ($($t:ty),*) => {$(
+        /// Used only for a two-operand combine; collectives widen to f32 first.
+        impl Reducible for $t {
+            const INTEGER: bool = false;
+            fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    let mut a = [d.to_f32()];
+                    f32::reduce_into(&mut a, &[s.to_f32()], op);
+                    *d = <$t>::from_f32(a[0]);
+                }
+            }
+            fn finish_avg(buf: &mut [Self], n: usize) {
+                buf.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n as f32));
+            }
+        }
+    )*};
+}
+
+half_kernels!(half::f16, half::bf16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn int_ops_match_scalar(a in proptest::collection::vec(any::<i32>(), 0..300), seed: i32) {
+            let b: Vec<i32> = a.iter().map(|x| x.wrapping_mul(31).wrapping_add(seed)).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+                let mut d = a.clone();
+                i32::reduce_into(&mut d, &b, op);
+                for i in 0..a.len() {
+                    let want = match op {
+                        ReduceOp::Sum => a[i].wrapping_add(b[i]),
+                        ReduceOp::Product => a[i].wrapping_mul(b[i]),
+                        ReduceOp::Min => a[i].min(b[i]),
+                        ReduceOp::Max => a[i].max(b[i]),
+                        ReduceOp::BAnd => a[i] & b[i],
+                        ReduceOp::BOr => a[i] | b[i],
+                        _ => a[i] ^ b[i],
+                    };
+                    prop_assert_eq!(d[i], want);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn averages() {
+        let mut v = vec![7i32, -7, 9];
+        i32::finish_avg(&mut v, 2);
+        assert_eq!(v, vec![3, -3, 4]);
+        let mut f = vec![3.0f64];
+        f64::finish_avg(&mut f, 2);
+        assert_eq!(f, vec![1.5]);
+    }
+}

@@ -21,7 +21,6 @@ pub const MAX_TAG: u32 = i32::MAX as u32;
 /// [`GroupBuilder::timeout`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-
 /// Builds a [`ProcessGroup`] explicitly, or from the environment with [`GroupBuilder::from_env`].
 ///
 /// ```no_run
@@ -307,7 +306,9 @@ impl Inner {
         fp: Fingerprint,
     ) -> Result<Work<B>> {
         let g = self.global(op, dst)?;
-        let (id, cell) = self.engine.isend(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        let (id, cell) = self
+            .engine
+            .isend(op, buf, dtype, g, self.ctx + ctx, tag, fp);
         Ok(Work::new(cell, self.driver(), id, op, Some(dst), self.timeout).with_map(self.map()))
     }
 
@@ -333,7 +334,9 @@ impl Inner {
                 })
             }
         };
-        let (id, cell) = self.engine.irecv(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        let (id, cell) = self
+            .engine
+            .irecv(op, buf, dtype, g, self.ctx + ctx, tag, fp);
         Ok(Work::new(cell, self.driver(), id, op, src, self.timeout).with_map(self.map()))
     }
 }
@@ -393,7 +396,10 @@ impl ProcessGroup {
                 return Err(Error::InvalidArgument {
                     op: "new_group",
                     rank: self.rank(),
-                    detail: format!("ranks {ranks:?} must be distinct ranks below {}", self.size()),
+                    detail: format!(
+                        "ranks {ranks:?} must be distinct ranks below {}",
+                        self.size()
+                    ),
                 });
             }
         }
@@ -413,11 +419,13 @@ impl ProcessGroup {
                 engine: self.inner.engine.clone(),
                 members: Arc::new(members),
                 rank: me,
-                ctx: id.checked_mul(CTX_PER_GROUP).ok_or_else(|| Error::InvalidArgument {
-                    op: "new_group",
-                    rank: self.rank(),
-                    detail: "too many groups".into(),
-                })?,
+                ctx: id
+                    .checked_mul(CTX_PER_GROUP)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "new_group",
+                        rank: self.rank(),
+                        detail: "too many groups".into(),
+                    })?,
                 timeout: self.inner.timeout,
                 coll_seq: AtomicU32::new(0),
                 groups: self.inner.groups.clone(),
@@ -451,8 +459,15 @@ impl ProcessGroup {
     /// ```
     pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("isend", tag)?;
-        self.inner
-            .post_send("isend", Box::new(buf), T::DTYPE, dst, CTX_USER, tag, Fingerprint::NONE)
+        self.inner.post_send(
+            "isend",
+            Box::new(buf),
+            T::DTYPE,
+            dst,
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )
     }
 
     /// Starts receiving into `buf` from `src`; returns at once. A message longer than `buf` fails
@@ -460,30 +475,58 @@ impl ProcessGroup {
     /// how many bytes).
     pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("irecv", tag)?;
-        self.inner
-            .post_recv("irecv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag, Fingerprint::NONE)
+        self.inner.post_recv(
+            "irecv",
+            Box::new(buf),
+            T::DTYPE,
+            Some(src),
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )
     }
 
     /// Like [`irecv`](Self::irecv) from whichever rank sends first with `tag`; the status names
     /// the source. World group only.
     pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
         self.check_tag("irecv", tag)?;
-        self.inner
-            .post_recv("irecv", Box::new(buf), T::DTYPE, None, CTX_USER, tag, Fingerprint::NONE)
+        self.inner.post_recv(
+            "irecv",
+            Box::new(buf),
+            T::DTYPE,
+            None,
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )
     }
 
     /// Sends raw bytes (element type `bytes`).
     pub fn isend_bytes(&self, buf: Vec<u8>, dst: usize, tag: u32) -> Result<Work<Vec<u8>>> {
         self.check_tag("isend", tag)?;
-        self.inner
-            .post_send("isend", Box::new(buf), DType::Bytes, dst, CTX_USER, tag, Fingerprint::NONE)
+        self.inner.post_send(
+            "isend",
+            Box::new(buf),
+            DType::Bytes,
+            dst,
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )
     }
 
     /// Receives raw bytes; accepts a message of any element type.
     pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
         self.check_tag("irecv", tag)?;
-        self.inner
-            .post_recv("irecv", Box::new(buf), DType::Bytes, Some(src), CTX_USER, tag, Fingerprint::NONE)
+        self.inner.post_recv(
+            "irecv",
+            Box::new(buf),
+            DType::Bytes,
+            Some(src),
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
@@ -506,9 +549,15 @@ impl ProcessGroup {
     pub fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<Status> {
         self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self
-            .inner
-            .post_recv("recv", Box::new(buf), T::DTYPE, Some(src), CTX_USER, tag, Fingerprint::NONE)?;
+        let w = self.inner.post_recv(
+            "recv",
+            Box::new(buf),
+            T::DTYPE,
+            Some(src),
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )?;
         finish_recv(w, out)
     }
 
@@ -516,9 +565,15 @@ impl ProcessGroup {
     pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
         self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self
-            .inner
-            .post_recv("recv", Box::new(buf), T::DTYPE, None, CTX_USER, tag, Fingerprint::NONE)?;
+        let w = self.inner.post_recv(
+            "recv",
+            Box::new(buf),
+            T::DTYPE,
+            None,
+            CTX_USER,
+            tag,
+            Fingerprint::NONE,
+        )?;
         finish_recv(w, out)
     }
 

@@ -24,6 +24,7 @@
 //! ```
 
 pub mod algorithms;
+mod collectives;
 pub mod dtype;
 pub mod env;
 pub mod error;
@@ -37,4 +38,5 @@ mod work;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+pub use reduce::{ReduceOp, Reducible};
 pub use work::{Status, Work};

@@ -57,6 +57,13 @@ pub trait Reducible: Element {
     fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp);
     /// Divides every element by `n` (the end of an average).
     fn finish_avg(buf: &mut [Self], n: usize);
+    /// For 16-bit floats: the values widened to `f32` (collectives reduce in `f32` and round
+    /// once). `None` for every other type.
+    fn widen(_buf: &[Self]) -> Option<Vec<f32>> {
+        None
+    }
+    /// Rounds `src` back into `dst` (16-bit floats only).
+    fn narrow(_dst: &mut [Self], _src: &[f32]) {}
 }
 
 macro_rules! float_kernels {
@@ -125,6 +132,12 @@ macro_rules! half_kernels {
             }
             fn finish_avg(buf: &mut [Self], n: usize) {
                 buf.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n as f32));
+            }
+            fn widen(buf: &[Self]) -> Option<Vec<f32>> {
+                Some(buf.iter().map(|x| x.to_f32()).collect())
+            }
+            fn narrow(dst: &mut [Self], src: &[f32]) {
+                dst.iter_mut().zip(src).for_each(|(d, s)| *d = <$t>::from_f32(*s));
             }
         }
     )*};

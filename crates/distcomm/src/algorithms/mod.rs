@@ -119,7 +119,11 @@ pub fn ring_all_reduce(n: usize, r: usize, count: usize) -> Schedule {
 /// ⌈log₂ n⌉ + 2 rounds when `n` is not a power of two, log₂ n when it is.
 pub fn recursive_doubling_all_reduce(n: usize, r: usize, count: usize) -> Schedule {
     let all = 0..count;
-    let p = if n == 0 { 0 } else { 1 << (usize::BITS - 1 - n.leading_zeros()) };
+    let p = if n == 0 {
+        0
+    } else {
+        1 << (usize::BITS - 1 - n.leading_zeros())
+    };
     let extra = n - p;
     let folded = extra > 0;
     let mut rounds: Schedule = Vec::new();
@@ -214,7 +218,10 @@ pub fn binomial_reduce(n: usize, r: usize, root: usize, count: usize) -> Schedul
 pub fn scatter_all_gather_broadcast(n: usize, r: usize, root: usize, count: usize) -> Schedule {
     let c = chunks(count, n);
     let first = if r == root {
-        (0..n).filter(|&i| i != root).map(|i| send(i, c[i].clone())).collect()
+        (0..n)
+            .filter(|&i| i != root)
+            .map(|i| send(i, c[i].clone()))
+            .collect()
     } else {
         vec![recv(root, c[r].clone(), false)]
     };
@@ -312,16 +319,29 @@ pub fn simulate<T: Clone>(
         }
         for (dst, s) in schedules.iter().enumerate() {
             for st in &s[k] {
-                if let Step::Recv { peer, range, reduce } = st {
+                if let Step::Recv {
+                    peer,
+                    range,
+                    reduce,
+                } = st
+                {
                     let q = &mut wire[*peer][dst];
                     if q.is_empty() {
-                        return Err(format!("round {k}: rank {dst} waits for {peer}, who sent nothing"));
+                        return Err(format!(
+                            "round {k}: rank {dst} waits for {peer}, who sent nothing"
+                        ));
                     }
                     let data = q.remove(0);
                     if data.len() != range.len() {
-                        return Err(format!("round {k}: size mismatch {} vs {}", data.len(), range.len()));
+                        return Err(format!(
+                            "round {k}: size mismatch {} vs {}",
+                            data.len(),
+                            range.len()
+                        ));
                     }
-                    let dstbuf = outs[dst].get_mut(range.clone()).ok_or("recv range out of bounds")?;
+                    let dstbuf = outs[dst]
+                        .get_mut(range.clone())
+                        .ok_or("recv range out of bounds")?;
                     if *reduce {
                         combine(dstbuf, &data);
                     } else {
@@ -343,7 +363,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn inputs(n: usize, count: usize) -> Vec<Vec<i64>> {
-        (0..n).map(|r| (0..count).map(|i| (r * 1000 + i) as i64 + 1).collect()).collect()
+        (0..n)
+            .map(|r| (0..count).map(|i| (r * 1000 + i) as i64 + 1).collect())
+            .collect()
     }
 
     fn sum_of(ins: &[Vec<i64>]) -> Vec<i64> {

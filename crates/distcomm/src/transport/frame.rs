@@ -45,6 +45,9 @@ pub enum Kind {
     Ack = 5,
     /// The receiver refused the message (`aux` says why).
     Nack = 6,
+    /// The collective (`ctx`, `tag`) failed on the sender (`fp`: its call; `aux` 1 for a
+    /// desync): fail everything of it here too.
+    Cancel = 7,
 }
 
 /// Why a receiver refused a message.
@@ -57,6 +60,8 @@ pub enum NackReason {
     DType = 2,
     /// The posted receive belongs to another collective call; `fp` carries it.
     Desync = 3,
+    /// The message belongs to a collective the receiver has cancelled.
+    Cancelled = 4,
 }
 
 /// What a collective call was: kind, operator, root and element count. Zero for point-to-point.
@@ -83,7 +88,9 @@ pub const KIND_NAMES: [&str; 10] = [
 ];
 
 /// Names of reduce operators on the wire (index = `op`).
-pub const OP_NAMES: [&str; 9] = ["", "sum", "product", "min", "max", "avg", "band", "bor", "bxor"];
+pub const OP_NAMES: [&str; 9] = [
+    "", "sum", "product", "min", "max", "avg", "band", "bor", "bxor",
+];
 
 impl Fingerprint {
     /// Point-to-point messages carry no fingerprint.
@@ -96,7 +103,10 @@ impl Fingerprint {
 
     /// Human-readable description, e.g. `all_reduce(op=sum, count=10, dtype=f32)`.
     pub fn describe(&self, dtype: DType) -> String {
-        let kind = KIND_NAMES.get(self.kind as usize).copied().unwrap_or("unknown");
+        let kind = KIND_NAMES
+            .get(self.kind as usize)
+            .copied()
+            .unwrap_or("unknown");
         let mut s = format!("{kind}(");
         if let Some(op) = OP_NAMES.get(self.op as usize).filter(|o| !o.is_empty()) {
             s += &format!("op={op}, ");
@@ -153,6 +163,7 @@ impl Header {
             4 => Kind::Data,
             5 => Kind::Ack,
             6 => Kind::Nack,
+            7 => Kind::Cancel,
             k => return Err(DecodeError(format!("unknown frame kind {k}"))),
         };
         let dtype =
@@ -219,7 +230,7 @@ mod tests {
         }
 
         #[test]
-        fn roundtrip(kind in 1u8..=6, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000, fk: u8, fo: u8, root: u32, count: u64) {
+        fn roundtrip(kind in 1u8..=7, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000, fk: u8, fo: u8, root: u32, count: u64) {
             let dtype = DType::from_wire(dt).unwrap();
             let mut raw = [0u8; HEADER_LEN];
             raw[0] = kind;

@@ -125,6 +125,7 @@ struct PendingSend {
     dtype: DType,
     fp: Fingerprint,
     dst: usize,
+    ctx: u32,
     tag: u32,
     len: usize,
     cell: Arc<OpCell>,
@@ -214,6 +215,9 @@ struct State {
     rdv: HashMap<(usize, u64), (Posted, u64)>,
     next_id: u64,
     closed: Option<String>,
+    /// Collectives (ctx, tag) cancelled by a peer, with the error every later operation of
+    /// theirs gets. Grows by one entry per failed collective.
+    cancelled: HashMap<(u32, u32), Error>,
 }
 
 fn peer_lost(op: &'static str, rank: usize, peer: usize, reason: &str) -> Error {
@@ -286,14 +290,16 @@ impl State {
         src: usize,
         h: &Header,
     ) -> std::result::Result<(), (Error, NackReason)> {
-        if r.fp != h.fp {
+        let cap = r.buf.bytes().len() as u64;
+        // Collective messages must fit their receive exactly: both sides run the same schedule.
+        if r.fp != h.fp || (r.fp.kind != 0 && (h.len != cap || h.dtype != r.dtype)) {
             return Err((
                 Error::Desync {
                     op: r.op,
                     rank: self.rank,
                     peer: src,
-                    ours: r.fp.describe(r.dtype),
-                    theirs: h.fp.describe(h.dtype),
+                    ours: format!("{} (expecting {cap} bytes)", r.fp.describe(r.dtype)),
+                    theirs: format!("{} (sending {} bytes)", h.fp.describe(h.dtype), h.len),
                 },
                 NackReason::Desync,
             ));
@@ -312,7 +318,6 @@ impl State {
                 NackReason::DType,
             ));
         }
-        let cap = r.buf.bytes().len() as u64;
         if h.len > cap {
             return Err((
                 Error::MessageTooLarge {
@@ -394,6 +399,10 @@ impl State {
             .iter()
             .position(|u| r.matches(u.src, &u.hdr));
         let Some(u) = pos.and_then(|i| self.unexpected.remove(i)) else {
+            if let Some(e) = self.cancelled.get(&(r.ctx, r.tag)) {
+                r.cell.complete(Err(e.clone()), None);
+                return;
+            }
             if let Some(src) = r.src {
                 if let Some(reason) = self.dead_reason(src) {
                     r.cell
@@ -438,6 +447,27 @@ impl State {
     /// Handles a decoded header from peer `p` (or a local reply for self-sends) and returns the
     /// receive state that follows it.
     fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
+        if matches!(h.kind, Kind::Eager | Kind::Rts) && self.cancelled.contains_key(&(h.ctx, h.tag))
+        {
+            let reason = NackReason::Cancelled as u32;
+            self.ctrl(
+                p,
+                Kind::Nack,
+                h.msg_id,
+                reason,
+                0,
+                h.dtype,
+                Fingerprint::NONE,
+            );
+            return Ok(match h.kind {
+                Kind::Eager => Rx::Payload {
+                    hdr: h,
+                    target: Target::Discard,
+                    got: 0,
+                },
+                _ => Rx::Header,
+            });
+        }
         match h.kind {
             Kind::Eager => {
                 let pos = self.posted.iter().position(|r| r.matches(p, &h));
@@ -532,6 +562,10 @@ impl State {
                 );
                 Ok(Rx::Header)
             }
+            Kind::Cancel => {
+                self.cancel_collective_from(p, &h);
+                Ok(Rx::Header)
+            }
             Kind::Ack | Kind::Nack => {
                 if self.sends.get(&h.msg_id).is_none_or(|s| s.dst != p) {
                     return self.protocol(format!("reply for unknown message {}", h.msg_id));
@@ -545,13 +579,19 @@ impl State {
                         tag: s.tag,
                         bytes: s.len,
                     })
+                } else if h.aux == NackReason::Cancelled as u32 {
+                    Err(Error::Aborted {
+                        op: s.op,
+                        rank: self.rank,
+                        reason: format!("rank {p} had already cancelled this collective"),
+                    })
                 } else if h.aux == NackReason::Desync as u32 {
                     Err(Error::Desync {
                         op: s.op,
                         rank: self.rank,
                         peer: p,
-                        ours: s.fp.describe(s.dtype),
-                        theirs: h.fp.describe(h.dtype),
+                        ours: format!("{} (sending {} bytes)", s.fp.describe(s.dtype), s.len),
+                        theirs: format!("{} (expecting {} bytes)", h.fp.describe(h.dtype), h.len),
                     })
                 } else if h.aux == NackReason::DType as u32 {
                     Err(Error::DTypeMismatch {
@@ -579,6 +619,57 @@ impl State {
                 Ok(Rx::Header)
             }
         }
+    }
+
+    /// A peer reports that collective (`h.ctx`, `h.tag`) failed there: fail our operations of it
+    /// and refuse its later messages.
+    fn cancel_collective_from(&mut self, p: usize, h: &Header) {
+        let key = (h.ctx, h.tag);
+        let rank = self.rank;
+        let theirs = h.fp.describe(h.dtype);
+        let err = |op: &'static str, ours: Fingerprint, dtype: DType| {
+            if h.aux == 1 {
+                Error::Desync {
+                    op,
+                    rank,
+                    peer: p,
+                    ours: ours.describe(dtype),
+                    theirs: format!("{theirs}, which found a mismatch and cancelled"),
+                }
+            } else {
+                Error::Aborted {
+                    op,
+                    rank,
+                    reason: format!("rank {p} failed collective {theirs} and cancelled it"),
+                }
+            }
+        };
+        let (hit, kept): (VecDeque<Posted>, VecDeque<Posted>) =
+            self.posted.drain(..).partition(|r| (r.ctx, r.tag) == key);
+        self.posted = kept;
+        let mut first = None;
+        for r in hit {
+            let e = err(r.op, r.fp, r.dtype);
+            first.get_or_insert_with(|| e.clone());
+            r.cell.complete(Err(e), None);
+        }
+        let ids: Vec<u64> = self
+            .sends
+            .iter()
+            .filter(|(_, s)| (s.ctx, s.tag) == key && s.buf.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        for id in ids {
+            if let Some(s) = self.sends.remove(&id) {
+                let e = err(s.op, s.fp, s.dtype);
+                first.get_or_insert_with(|| e.clone());
+                s.cell.complete(Err(e), None);
+            }
+        }
+        // Messages of it already here will never be received.
+        self.unexpected.retain(|u| (u.hdr.ctx, u.hdr.tag) != key);
+        let e = first.unwrap_or_else(|| err("collective", h.fp, h.dtype));
+        self.cancelled.entry(key).or_insert(e);
     }
 
     fn on_payload_done(&mut self, p: usize, h: Header, target: Target) {
@@ -1077,6 +1168,7 @@ impl Engine {
                 rdv: HashMap::new(),
                 next_id: 0,
                 closed: None,
+                cancelled: HashMap::new(),
             }),
             wake_tx,
             wake_rx,
@@ -1130,6 +1222,7 @@ impl Engine {
             dtype,
             fp,
             dst,
+            ctx,
             tag,
             len,
             cell: cell.clone(),
@@ -1228,6 +1321,51 @@ impl Engine {
         if backlog && self.sh.watching.load(Ordering::Acquire) {
             self.sh.poke();
         }
+    }
+
+    /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
+    /// operations of it fail too instead of waiting for us; refuses its later messages here.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cancel_collective(
+        &self,
+        ctx: u32,
+        tag: u32,
+        fp: Fingerprint,
+        dtype: DType,
+        desync: bool,
+        peers: &[usize],
+        err: Error,
+    ) {
+        let mut st = self.sh.lock();
+        st.cancelled.entry((ctx, tag)).or_insert(err);
+        let hdr = Header {
+            kind: Kind::Cancel,
+            dtype,
+            ctx,
+            tag,
+            aux: u32::from(desync),
+            msg_id: 0,
+            len: 0,
+            fp,
+        };
+        for &p in peers.iter().filter(|&&p| p != self.sh.rank) {
+            st.push_out(
+                p,
+                Out {
+                    hdr: hdr.encode(),
+                    kind: Kind::Cancel,
+                    payload: None,
+                    plen: 0,
+                    send_id: None,
+                },
+            );
+            if let Err(reason) = st.pump_tx(p) {
+                st.mark_dead(p, reason);
+            }
+        }
+        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        drop(st);
+        self.nudge(backlog);
     }
 
     /// Fails every pending operation and refuses new ones.

@@ -1,0 +1,872 @@
+//! Collective operations: each blocking (on slices, run in the caller's thread) and async
+//! (on owned buffers, run in issue order by the group's collective thread, returning a
+//! [`Work`]). Schedules come from [`crate::algorithms`]; this module runs them over the
+//! group's point-to-point layer.
+//!
+//! Every message of a collective carries the call's fingerprint (kind, operator, root, count,
+//! element type) and its sequence number as tag, so ranks that call different collectives, or
+//! the same one differently, both get [`Error::Desync`] naming both calls instead of wrong data.
+//!
+//! Semantics worth knowing:
+//! * `f16`/`bf16` reductions are carried out in `f32` (the data travels as `f32`) and rounded
+//!   once at the end;
+//! * integer `Avg` is the wrapping sum divided by the group size, rounded toward zero;
+//! * `reduce` leaves partial results in non-root buffers;
+//! * dropping an async collective's handle lets it run to completion (withdrawing it would
+//!   desynchronise the group).
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use crate::algorithms::{self as alg, Schedule, Space, Step};
+use crate::error::{Error, Result};
+use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
+use crate::reduce::{ReduceOp, Reducible};
+use crate::transport::frame::Fingerprint;
+use crate::work::{block, Driver, OpCell, Work};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    AllReduce = 1,
+    Broadcast = 2,
+    Reduce = 3,
+    AllGather = 4,
+    Gather = 5,
+    Scatter = 6,
+    ReduceScatter = 7,
+    AllToAll = 8,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+            Kind::AllGather => "all_gather",
+            Kind::Gather => "gather",
+            Kind::Scatter => "scatter",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllToAll => "all_to_all",
+        }
+    }
+}
+
+fn op_code(op: ReduceOp) -> u8 {
+    match op {
+        ReduceOp::Sum => 1,
+        ReduceOp::Product => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Max => 4,
+        ReduceOp::Avg => 5,
+        ReduceOp::BAnd => 6,
+        ReduceOp::BOr => 7,
+        ReduceOp::BXor => 8,
+    }
+}
+
+/// One collective call as every rank must see it.
+#[derive(Debug, Clone, Copy)]
+struct Call {
+    kind: Kind,
+    op: Option<ReduceOp>,
+    root: usize,
+    count: usize,
+}
+
+impl Call {
+    fn new(kind: Kind, count: usize) -> Call {
+        Call {
+            kind,
+            op: None,
+            root: 0,
+            count,
+        }
+    }
+    fn op(mut self, op: ReduceOp) -> Call {
+        self.op = Some(op);
+        self
+    }
+    fn root(mut self, root: usize) -> Call {
+        self.root = root;
+        self
+    }
+    fn fingerprint(&self) -> Fingerprint {
+        Fingerprint {
+            kind: self.kind as u8,
+            op: self.op.map_or(0, op_code),
+            root: self.root as u32,
+            count: self.count as u64,
+        }
+    }
+}
+
+/// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
+/// how they were measured. Overridable by environment variables.
+fn threshold(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// all_reduce switches from recursive doubling to the ring at this many bytes.
+pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
+/// broadcast switches from the binomial tree to scatter + all-gather at this many bytes.
+pub const BROADCAST_SCATTER_MIN: usize = 256 * 1024;
+
+impl Inner {
+    fn invalid(&self, op: &'static str, detail: String) -> Error {
+        Error::InvalidArgument {
+            op,
+            rank: self.rank,
+            detail,
+        }
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(Error::InvalidRank {
+                op,
+                rank: self.rank,
+                peer: root,
+                world: self.size(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_op<T: Reducible>(&self, op_name: &'static str, op: ReduceOp) -> Result<()> {
+        if op.is_bitwise() && !T::INTEGER {
+            return Err(self.invalid(
+                op_name,
+                format!("bitwise {} is not defined for {}", op.name(), T::DTYPE),
+            ));
+        }
+        Ok(())
+    }
+
+    fn next_tag(&self) -> u32 {
+        self.coll_seq.fetch_add(1, Ordering::AcqRel)
+    }
+
+    /// Runs `sched` for this rank: per round, post every receive and send, wait for all, then
+    /// combine what arrived.
+    fn execute<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        out: &mut [T],
+        inp: &[T],
+    ) -> Result<()> {
+        let result = self.execute_rounds(call, tag, sched, out, inp);
+        if let Err(e) = &result {
+            // Let every member know, so that none waits for us until its deadline.
+            let desync = matches!(e, Error::Desync { .. });
+            self.engine.cancel_collective(
+                self.ctx + CTX_COLL,
+                tag,
+                call.fingerprint(),
+                T::DTYPE,
+                desync,
+                &self.members,
+                e.clone(),
+            );
+        }
+        result
+    }
+
+    fn execute_rounds<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        out: &mut [T],
+        inp: &[T],
+    ) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let fp = call.fingerprint();
+        let name = call.kind.name();
+        let op = call.op.unwrap_or(ReduceOp::Sum);
+        for round in sched {
+            let mut recvs = Vec::new();
+            let mut sends = Vec::new();
+            for step in round {
+                match step {
+                    Step::Recv {
+                        peer,
+                        range,
+                        reduce,
+                    } => {
+                        let buf = vec![T::zeroed(); range.len()];
+                        let w: Work<Vec<T>> = self.post_recv(
+                            name,
+                            Box::new(buf),
+                            T::DTYPE,
+                            Some(*peer),
+                            CTX_COLL,
+                            tag,
+                            fp,
+                        )?;
+                        recvs.push((w, range.clone(), *reduce));
+                    }
+                    Step::Send { peer, space, range } => {
+                        let src = match space {
+                            Space::Out => out.get(range.clone()),
+                            Space::In => inp.get(range.clone()),
+                        }
+                        .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        let w: Work<Vec<T>> = self.post_send(
+                            name,
+                            Box::new(src.to_vec()),
+                            T::DTYPE,
+                            *peer,
+                            CTX_COLL,
+                            tag,
+                            fp,
+                        )?;
+                        sends.push(w);
+                    }
+                }
+            }
+            {
+                let mut all: Vec<&mut dyn Pending> = Vec::with_capacity(recvs.len() + sends.len());
+                all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
+                all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
+                wait_all(&mut all, deadline)?;
+            }
+            for (w, range, reduce) in recvs {
+                let data = w.into_buffer()?;
+                let dst = &mut out[range];
+                if reduce {
+                    T::reduce_into(dst, &data, op);
+                } else {
+                    dst.copy_from_slice(&data);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a reducing collective, widening 16-bit floats to f32 around it.
+    fn reducing<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        buf: &mut [T],
+    ) -> Result<()> {
+        match T::widen(buf) {
+            Some(mut wide) => {
+                self.execute::<f32>(call, tag, sched, &mut wide, &[])?;
+                T::narrow(buf, &wide);
+                Ok(())
+            }
+            None => self.execute(call, tag, sched, buf, &[]),
+        }
+    }
+
+    fn all_reduce_on<T: Reducible>(&self, tag: u32, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let call = Call::new(Kind::AllReduce, buf.len()).op(op);
+        let bytes = std::mem::size_of_val(buf);
+        let sched = if bytes >= threshold("DISTCOMM_ALL_REDUCE_RING_MIN", ALL_REDUCE_RING_MIN)
+            && buf.len() >= n
+        {
+            alg::ring_all_reduce(n, r, buf.len())
+        } else {
+            alg::recursive_doubling_all_reduce(n, r, buf.len())
+        };
+        // Averages of 16-bit floats divide in f32 too: widen around the whole thing.
+        if op == ReduceOp::Avg {
+            if let Some(mut wide) = T::widen(buf) {
+                self.execute::<f32>(&call, tag, &sched, &mut wide, &[])?;
+                f32::finish_avg(&mut wide, n);
+                T::narrow(buf, &wide);
+                return Ok(());
+            }
+        }
+        self.reducing(&call, tag, &sched, buf)?;
+        if op == ReduceOp::Avg {
+            T::finish_avg(buf, n);
+        }
+        Ok(())
+    }
+
+    fn broadcast_on<T: Reducible>(&self, tag: u32, buf: &mut [T], root: usize) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let call = Call::new(Kind::Broadcast, buf.len()).root(root);
+        let bytes = std::mem::size_of_val(buf);
+        let sched = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", BROADCAST_SCATTER_MIN)
+            && buf.len() >= n
+        {
+            alg::scatter_all_gather_broadcast(n, r, root, buf.len())
+        } else {
+            alg::binomial_broadcast(n, r, root, buf.len())
+        };
+        self.execute(&call, tag, &sched, buf, &[])
+    }
+
+    fn reduce_on<T: Reducible>(
+        &self,
+        tag: u32,
+        buf: &mut [T],
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let call = Call::new(Kind::Reduce, buf.len()).op(op).root(root);
+        let sched = alg::binomial_reduce(n, r, root, buf.len());
+        match (op, T::widen(buf)) {
+            (ReduceOp::Avg, Some(mut wide)) => {
+                self.execute::<f32>(&call, tag, &sched, &mut wide, &[])?;
+                if r == root {
+                    f32::finish_avg(&mut wide, n);
+                }
+                T::narrow(buf, &wide);
+            }
+            _ => {
+                self.reducing(&call, tag, &sched, buf)?;
+                if op == ReduceOp::Avg && r == root {
+                    T::finish_avg(buf, n);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_on<T: Reducible>(&self, tag: u32, input: &[T], output: &mut [T]) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, input.len());
+        if output.len() != n * k {
+            return Err(self.invalid(
+                "all_gather",
+                format!("output holds {} elements, needs {n} x {k}", output.len()),
+            ));
+        }
+        output[r * k..(r + 1) * k].copy_from_slice(input);
+        let call = Call::new(Kind::AllGather, k);
+        self.execute(&call, tag, &alg::ring_all_gather(n, r, n * k), output, &[])
+    }
+
+    fn gather_on<T: Reducible>(
+        &self,
+        tag: u32,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, input.len());
+        let call = Call::new(Kind::Gather, k).root(root);
+        let sched = alg::direct_gather(n, r, root, k);
+        match output {
+            Some(out) if r == root => {
+                if out.len() != n * k {
+                    return Err(self.invalid(
+                        "gather",
+                        format!("output holds {} elements, needs {n} x {k}", out.len()),
+                    ));
+                }
+                out[r * k..(r + 1) * k].copy_from_slice(input);
+                self.execute(&call, tag, &sched, out, input)
+            }
+            None if r == root => Err(self.invalid("gather", "the root needs an output".into())),
+            _ => self.execute(&call, tag, &sched, &mut [], input),
+        }
+    }
+
+    fn scatter_on<T: Reducible>(
+        &self,
+        tag: u32,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, output.len());
+        let call = Call::new(Kind::Scatter, k).root(root);
+        let sched = alg::direct_scatter(n, r, root, k);
+        if r != root {
+            return self.execute(&call, tag, &sched, output, &[]);
+        }
+        let input =
+            input.ok_or_else(|| self.invalid("scatter", "the root needs an input".into()))?;
+        if input.len() != n * k {
+            return Err(self.invalid(
+                "scatter",
+                format!("input holds {} elements, needs {n} x {k}", input.len()),
+            ));
+        }
+        output.copy_from_slice(&input[r * k..(r + 1) * k]);
+        self.execute(&call, tag, &sched, output, input)
+    }
+
+    fn reduce_scatter_on<T: Reducible>(
+        &self,
+        tag: u32,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, output.len());
+        if input.len() != n * k {
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!("input holds {} elements, needs {n} x {k}", input.len()),
+            ));
+        }
+        let call = Call::new(Kind::ReduceScatter, k).op(op);
+        let sched = alg::ring_reduce_scatter(n, r, n * k);
+        let mine = r * k..(r + 1) * k;
+        match T::widen(input) {
+            Some(mut wide) => {
+                self.execute::<f32>(&call, tag, &sched, &mut wide, &[])?;
+                if op == ReduceOp::Avg {
+                    f32::finish_avg(&mut wide[mine.clone()], n);
+                }
+                T::narrow(output, &wide[mine]);
+            }
+            None => {
+                let mut work = input.to_vec();
+                self.execute(&call, tag, &sched, &mut work, &[])?;
+                output.copy_from_slice(&work[mine]);
+                if op == ReduceOp::Avg {
+                    T::finish_avg(output, n);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_to_all_on<T: Reducible>(
+        &self,
+        tag: u32,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+        uneven: bool,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let ranges =
+            |counts: &[usize], total: usize, what: &str| -> Result<Vec<std::ops::Range<usize>>> {
+                if counts.len() != n || counts.iter().sum::<usize>() != total {
+                    return Err(self.invalid(
+                        "all_to_all",
+                        format!("{what} counts {counts:?} must be {n} numbers summing to {total}"),
+                    ));
+                }
+                let mut start = 0;
+                Ok(counts
+                    .iter()
+                    .map(|&c| {
+                        start += c;
+                        start - c..start
+                    })
+                    .collect())
+            };
+        let sr = ranges(send_counts, input.len(), "send")?;
+        let rr = ranges(recv_counts, output.len(), "receive")?;
+        if sr[r].len() != rr[r].len() {
+            return Err(self.invalid(
+                "all_to_all",
+                "this rank's own send and receive counts differ".into(),
+            ));
+        }
+        output[rr[r].clone()].copy_from_slice(&input[sr[r].clone()]);
+        // Uneven splits differ per rank, so only the equal form fingerprints its count.
+        let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() });
+        self.execute(
+            &call,
+            tag,
+            &alg::direct_all_to_all(n, r, &sr, &rr),
+            output,
+            input,
+        )
+    }
+}
+
+/// A handle `wait_all` can poll and wait on, whatever its buffer type.
+trait Pending {
+    fn failed(&mut self) -> Option<Error>;
+    fn done(&self) -> bool;
+    fn wait_for(&mut self, d: Duration) -> Result<()>;
+}
+
+impl<B: 'static> Pending for Work<B> {
+    fn failed(&mut self) -> Option<Error> {
+        if !self.is_completed() {
+            return None;
+        }
+        self.wait_timeout(Duration::ZERO).err()
+    }
+    fn done(&self) -> bool {
+        self.is_completed()
+    }
+    fn wait_for(&mut self, d: Duration) -> Result<()> {
+        self.wait_timeout(d).map(|_| ())
+    }
+}
+
+/// Waits until every operation succeeded, returning the first failure as soon as it is seen
+/// (within a few milliseconds) rather than after waiting for operations that precede it: a peer
+/// that refuses our message must not leave us waiting for its reply until the deadline.
+fn wait_all(ops: &mut [&mut dyn Pending], deadline: Instant) -> Result<()> {
+    const SLICE: Duration = Duration::from_millis(2);
+    loop {
+        for op in ops.iter_mut() {
+            if let Some(e) = op.failed() {
+                return Err(e);
+            }
+        }
+        let Some(first) = ops.iter_mut().find(|o| !o.done()) else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        match first.wait_for(left.min(SLICE)) {
+            Ok(()) => {}
+            Err(e) if e.is_timeout() && !left.is_zero() => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Driver of async collective handles: the collective thread makes the progress; waiting
+/// only sleeps.
+struct Waiter {
+    rank: usize,
+}
+
+impl Driver for Waiter {
+    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+        loop {
+            if block(cell, deadline) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return cell.is_done();
+            }
+        }
+    }
+    fn cancel(&self, _op_id: u64) {}
+    fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl ProcessGroup {
+    /// Queues `f` on the group's collective thread and returns its handle.
+    fn spawn<T: Reducible>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&Inner) -> Result<Vec<T>> + Send + 'static,
+    ) -> Result<Work<Vec<T>>> {
+        let cell = Arc::new(OpCell::default());
+        let inner = self.inner.clone();
+        let done = cell.clone();
+        let job: Job = Box::new(move || {
+            let rank = inner.rank;
+            let result = f(&inner);
+            // Release the group before anyone can see the result: the caller may then drop
+            // its group and expect the engine to shut down (flushing replies) in its thread.
+            drop(inner);
+            match result {
+                Ok(v) => done.complete(
+                    Ok(crate::Status {
+                        peer: rank,
+                        tag: 0,
+                        bytes: std::mem::size_of_val(v.as_slice()),
+                    }),
+                    Some(Box::new(v)),
+                ),
+                Err(e) => done.complete(Err(e), None),
+            }
+        });
+        let mut slot = self.inner.worker.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let (tx, rx) = mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name(format!("distcomm-coll-{}", self.rank()))
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job();
+                    }
+                })
+                .map_err(|e| Error::io("spawn collective thread", e))?;
+            *slot = Some(tx);
+        }
+        let sent = slot
+            .as_ref()
+            .map(|tx| tx.send(job).is_ok())
+            .unwrap_or(false);
+        if !sent {
+            return Err(Error::Aborted {
+                op,
+                rank: self.rank(),
+                reason: "collective thread is gone".into(),
+            });
+        }
+        let driver: Arc<dyn Driver> = Arc::new(Waiter { rank: self.rank() });
+        Ok(Work::new(cell, driver, 0, op, None, self.inner.timeout))
+    }
+
+    /// Reduces `buf` across the group in place; every rank ends with the result.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// # let group = distcomm::init()?;
+    /// let mut grads = vec![1.0f32; 1024];
+    /// group.all_reduce(&mut grads, distcomm::ReduceOp::Avg)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn all_reduce<T: Reducible>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.inner.check_op::<T>("all_reduce", op)?;
+        let tag = self.inner.next_tag();
+        self.inner.all_reduce_on(tag, buf, op)
+    }
+
+    /// Async [`all_reduce`](Self::all_reduce): the reduced buffer comes back from
+    /// [`Work::into_buffer`].
+    pub fn all_reduce_async<T: Reducible>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        self.inner.check_op::<T>("all_reduce", op)?;
+        let tag = self.inner.next_tag();
+        self.spawn("all_reduce", move |g| {
+            g.all_reduce_on(tag, &mut buf, op)?;
+            Ok(buf)
+        })
+    }
+
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    pub fn broadcast<T: Reducible>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.inner.check_root("broadcast", root)?;
+        let tag = self.inner.next_tag();
+        self.inner.broadcast_on(tag, buf, root)
+    }
+
+    /// Async [`broadcast`](Self::broadcast).
+    pub fn broadcast_async<T: Reducible>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        self.inner.check_root("broadcast", root)?;
+        let tag = self.inner.next_tag();
+        self.spawn("broadcast", move |g| {
+            g.broadcast_on(tag, &mut buf, root)?;
+            Ok(buf)
+        })
+    }
+
+    /// Reduces `buf` of every rank into `buf` of `root` (other ranks' buffers are left holding
+    /// partial results).
+    pub fn reduce<T: Reducible>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        self.inner.check_root("reduce", root)?;
+        self.inner.check_op::<T>("reduce", op)?;
+        let tag = self.inner.next_tag();
+        self.inner.reduce_on(tag, buf, root, op)
+    }
+
+    /// Async [`reduce`](Self::reduce).
+    pub fn reduce_async<T: Reducible>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        self.inner.check_root("reduce", root)?;
+        self.inner.check_op::<T>("reduce", op)?;
+        let tag = self.inner.next_tag();
+        self.spawn("reduce", move |g| {
+            g.reduce_on(tag, &mut buf, root, op)?;
+            Ok(buf)
+        })
+    }
+
+    /// Gathers every rank's `input` into `output` (rank `i`'s block at `i * input.len()`).
+    pub fn all_gather<T: Reducible>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let tag = self.inner.next_tag();
+        self.inner.all_gather_on(tag, input, output)
+    }
+
+    /// [`all_gather`](Self::all_gather) into one buffer per rank.
+    pub fn all_gather_list<T: Reducible>(&self, input: &[T]) -> Result<Vec<Vec<T>>> {
+        let mut out = vec![T::zeroed(); input.len() * self.size()];
+        self.all_gather(input, &mut out)?;
+        Ok(split(&out, input.len(), self.size()))
+    }
+
+    /// Async [`all_gather`](Self::all_gather); the handle's buffer is the `n × len` output.
+    pub fn all_gather_async<T: Reducible>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
+        let tag = self.inner.next_tag();
+        self.spawn("all_gather", move |g| {
+            let mut out = vec![T::zeroed(); input.len() * g.size()];
+            g.all_gather_on(tag, &input, &mut out)?;
+            Ok(out)
+        })
+    }
+
+    /// Gathers every rank's `input` into `output` of `root` (`None` elsewhere).
+    pub fn gather<T: Reducible>(
+        &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.inner.check_root("gather", root)?;
+        let tag = self.inner.next_tag();
+        self.inner.gather_on(tag, input, output, root)
+    }
+
+    /// Async [`gather`](Self::gather); the root's handle gives the `n × len` output, the
+    /// others' an empty buffer.
+    pub fn gather_async<T: Reducible>(&self, input: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
+        self.inner.check_root("gather", root)?;
+        let tag = self.inner.next_tag();
+        self.spawn("gather", move |g| {
+            if g.rank == root {
+                let mut out = vec![T::zeroed(); input.len() * g.size()];
+                g.gather_on(tag, &input, Some(&mut out), root)?;
+                Ok(out)
+            } else {
+                g.gather_on(tag, &input, None, root)?;
+                Ok(Vec::new())
+            }
+        })
+    }
+
+    /// Scatters block `i` of the root's `input` (`None` elsewhere) into `output` of rank `i`.
+    pub fn scatter<T: Reducible>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        self.inner.check_root("scatter", root)?;
+        let tag = self.inner.next_tag();
+        self.inner.scatter_on(tag, input, output, root)
+    }
+
+    /// Async [`scatter`](Self::scatter) of blocks of `block` elements (non-roots pass an empty
+    /// input); the handle's buffer is this rank's block.
+    pub fn scatter_async<T: Reducible>(
+        &self,
+        input: Vec<T>,
+        block: usize,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        self.inner.check_root("scatter", root)?;
+        let tag = self.inner.next_tag();
+        self.spawn("scatter", move |g| {
+            let mut out = vec![T::zeroed(); block];
+            let inp = (g.rank == root).then_some(input.as_slice());
+            g.scatter_on(tag, inp, &mut out, root)?;
+            Ok(out)
+        })
+    }
+
+    /// Reduces `input` (`n` blocks of `output.len()`) across ranks; rank `i` gets block `i`.
+    pub fn reduce_scatter<T: Reducible>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.check_op::<T>("reduce_scatter", op)?;
+        let tag = self.inner.next_tag();
+        self.inner.reduce_scatter_on(tag, input, output, op)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with one input buffer per destination rank.
+    pub fn reduce_scatter_list<T: Reducible>(
+        &self,
+        inputs: &[Vec<T>],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        if inputs.len() != self.size() || inputs.iter().any(|b| b.len() != output.len()) {
+            return Err(self.inner.invalid(
+                "reduce_scatter",
+                format!("needs {} inputs of {} elements", self.size(), output.len()),
+            ));
+        }
+        self.reduce_scatter(&inputs.concat(), output, op)
+    }
+
+    /// Async [`reduce_scatter`](Self::reduce_scatter); the handle's buffer is this rank's block.
+    pub fn reduce_scatter_async<T: Reducible>(
+        &self,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        self.inner.check_op::<T>("reduce_scatter", op)?;
+        let n = self.size();
+        if input.len() % n != 0 {
+            return Err(self.inner.invalid(
+                "reduce_scatter",
+                format!(
+                    "input of {} elements does not split into {n} blocks",
+                    input.len()
+                ),
+            ));
+        }
+        let tag = self.inner.next_tag();
+        self.spawn("reduce_scatter", move |g| {
+            let mut out = vec![T::zeroed(); input.len() / n];
+            g.reduce_scatter_on(tag, &input, &mut out, op)?;
+            Ok(out)
+        })
+    }
+
+    /// Equal all-to-all: block `j` of `input` goes to rank `j`, arriving as block `i` (from rank
+    /// `i`) of its `output`.
+    pub fn all_to_all<T: Reducible>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let counts = self.equal_counts("all_to_all", input.len(), output.len())?;
+        let tag = self.inner.next_tag();
+        self.inner
+            .all_to_all_on(tag, input, &counts, output, &counts, false)
+    }
+
+    /// All-to-all with uneven splits: `send_counts[j]` elements go to rank `j`,
+    /// `recv_counts[i]` arrive from rank `i`.
+    pub fn all_to_all_v<T: Reducible>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let tag = self.inner.next_tag();
+        self.inner
+            .all_to_all_on(tag, input, send_counts, output, recv_counts, true)
+    }
+
+    /// Async equal [`all_to_all`](Self::all_to_all); the handle's buffer is the output.
+    pub fn all_to_all_async<T: Reducible>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
+        let counts = self.equal_counts("all_to_all", input.len(), input.len())?;
+        let tag = self.inner.next_tag();
+        self.spawn("all_to_all", move |g| {
+            let mut out = vec![T::zeroed(); input.len()];
+            g.all_to_all_on(tag, &input, &counts, &mut out, &counts, false)?;
+            Ok(out)
+        })
+    }
+
+    fn equal_counts(&self, op: &'static str, inp: usize, out: usize) -> Result<Vec<usize>> {
+        let n = self.size();
+        if inp % n != 0 || inp != out {
+            return Err(self.inner.invalid(
+                op,
+                format!("input {inp} and output {out} must be equal multiples of {n}"),
+            ));
+        }
+        Ok(vec![inp / n; n])
+    }
+}
+
+fn split<T: Clone>(v: &[T], k: usize, n: usize) -> Vec<Vec<T>> {
+    (0..n).map(|i| v[i * k..(i + 1) * k].to_vec()).collect()
+}

@@ -1,0 +1,464 @@
+//! Collectives over real processes: every op × element type × world size 1–5 × sizes against a
+//! serial reference; async with several in flight; subgroups; desync; bad arguments.
+
+mod common;
+
+use common::run;
+use distcomm::{DType, Element, Error, ProcessGroup, ReduceOp, Reducible};
+use half::{bf16, f16};
+
+const ALL: &[usize] = &[1, 2, 3, 4, 5];
+/// 0, 1, odd, and above the ring / scatter thresholds for every element size.
+const SIZES: &[usize] = &[0, 1, 7, 300_001];
+
+/// Test values: small integers, so float sums and products are exact in every type.
+trait Val: Reducible + PartialEq + std::fmt::Debug {
+    fn v(x: i64) -> Self;
+    /// Serial reference of one reduction step (16-bit floats: in f32, rounded by the caller).
+    fn wide(self) -> f64;
+    fn from_wide(x: f64) -> Self;
+}
+
+macro_rules! val_int {
+    ($($t:ty),*) => {$(impl Val for $t {
+        fn v(x: i64) -> Self { x as $t }
+        fn wide(self) -> f64 { self as f64 }
+        fn from_wide(x: f64) -> Self { x as $t }
+    })*};
+}
+val_int!(u8, i8, i32, i64);
+impl Val for f32 {
+    fn v(x: i64) -> Self {
+        x as f32
+    }
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    fn from_wide(x: f64) -> Self {
+        x as f32
+    }
+}
+impl Val for f64 {
+    fn v(x: i64) -> Self {
+        x as f64
+    }
+    fn wide(self) -> f64 {
+        self
+    }
+    fn from_wide(x: f64) -> Self {
+        x
+    }
+}
+impl Val for f16 {
+    fn v(x: i64) -> Self {
+        f16::from_f32(x as f32)
+    }
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_wide(x: f64) -> Self {
+        f16::from_f64(x)
+    }
+}
+impl Val for bf16 {
+    fn v(x: i64) -> Self {
+        bf16::from_f32(x as f32)
+    }
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_wide(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+}
+
+/// Rank `r`'s input element `i` for operator `op` (products stay small).
+fn input(op: ReduceOp, r: usize, i: usize) -> i64 {
+    match op {
+        ReduceOp::Product => 1 + ((r + i) % 3) as i64,
+        _ => ((r * 7 + i * 3) % 23) as i64 + if r % 2 == 0 { 0 } else { 1 },
+    }
+}
+
+fn reference<T: Val>(op: ReduceOp, n: usize, i: usize) -> T {
+    let xs: Vec<i64> = (0..n).map(|r| input(op, r, i)).collect();
+    if T::INTEGER {
+        // Wrapping integer semantics, done in i64 then truncated like the type would.
+        let t = |x: i64| T::v(x).wide() as i64;
+        let mut acc = t(xs[0]);
+        for &x in &xs[1..] {
+            let x = t(x);
+            acc = t(match op {
+                ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(x),
+                ReduceOp::Product => acc.wrapping_mul(x),
+                ReduceOp::Min => acc.min(x),
+                ReduceOp::Max => acc.max(x),
+                ReduceOp::BAnd => acc & x,
+                ReduceOp::BOr => acc | x,
+                ReduceOp::BXor => acc ^ x,
+            });
+        }
+        if op == ReduceOp::Avg {
+            acc /= n as i64;
+        }
+        return T::v(acc);
+    }
+    let ys: Vec<f64> = xs.iter().map(|&x| T::v(x).wide()).collect();
+    let r = match op {
+        ReduceOp::Sum => ys.iter().sum(),
+        ReduceOp::Avg => (ys.iter().sum::<f64>() as f32 / n as f32) as f64,
+        ReduceOp::Product => ys.iter().product(),
+        ReduceOp::Min => ys.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => ys.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        _ => unreachable!(),
+    };
+    if T::DTYPE == DType::F64 && op == ReduceOp::Avg {
+        return T::from_wide(ys.iter().sum::<f64>() / n as f64);
+    }
+    T::from_wide(r)
+}
+
+fn ops<T: Reducible>() -> Vec<ReduceOp> {
+    let mut v = vec![
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
+    if T::INTEGER {
+        v.extend([ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor]);
+    }
+    v
+}
+
+fn check_all_reduce<T: Val>(g: &ProcessGroup) {
+    let (n, r) = (g.size(), g.rank());
+    for &len in SIZES {
+        for op in ops::<T>() {
+            let mut buf: Vec<T> = (0..len).map(|i| T::v(input(op, r, i))).collect();
+            g.all_reduce(&mut buf, op)
+                .unwrap_or_else(|e| panic!("{} {op:?} {len}: {e}", T::DTYPE));
+            for (i, x) in buf.iter().enumerate() {
+                let want: T = reference(op, n, i);
+                assert_eq!(*x, want, "{} {op:?} len {len} element {i}", T::DTYPE);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_every_type_op_and_size() {
+    run("all_reduce_every_type_op_and_size", ALL, |g| {
+        check_all_reduce::<f32>(g);
+        check_all_reduce::<f64>(g);
+        check_all_reduce::<f16>(g);
+        check_all_reduce::<bf16>(g);
+        check_all_reduce::<i8>(g);
+        check_all_reduce::<u8>(g);
+        check_all_reduce::<i32>(g);
+        check_all_reduce::<i64>(g);
+    });
+}
+
+fn data<T: Val>(r: usize, len: usize, salt: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::v(((r * 31 + i * 7 + salt) % 97) as i64))
+        .collect()
+}
+
+fn check_movement<T: Val>(g: &ProcessGroup) {
+    let (n, r) = (g.size(), g.rank());
+    for &len in SIZES {
+        for root in [0, n - 1] {
+            // broadcast
+            let mut b: Vec<T> = if r == root {
+                data(root, len, 1)
+            } else {
+                vec![T::v(0); len]
+            };
+            g.broadcast(&mut b, root).unwrap();
+            assert_eq!(
+                b,
+                data::<T>(root, len, 1),
+                "broadcast {} len {len} root {root}",
+                T::DTYPE
+            );
+            // reduce (max)
+            let mut b: Vec<T> = data(r, len, 2);
+            g.reduce(&mut b, root, ReduceOp::Max).unwrap();
+            if r == root {
+                let theirs: Vec<Vec<T>> = (0..n).map(|q| data::<T>(q, len, 2)).collect();
+                let want: Vec<T> = (0..len)
+                    .map(|i| {
+                        theirs.iter().map(|t| t[i]).fold(T::v(0), |a, b| {
+                            if b.wide() > a.wide() {
+                                b
+                            } else {
+                                a
+                            }
+                        })
+                    })
+                    .collect();
+                assert_eq!(b, want, "reduce {} len {len}", T::DTYPE);
+            }
+            // gather
+            let mine: Vec<T> = data(r, len, 3);
+            let mut out = vec![T::v(0); n * len];
+            g.gather(&mine, (r == root).then_some(out.as_mut_slice()), root)
+                .unwrap();
+            if r == root {
+                let want: Vec<T> = (0..n).flat_map(|q| data::<T>(q, len, 3)).collect();
+                assert_eq!(out, want, "gather {} len {len}", T::DTYPE);
+            }
+            // scatter
+            let full: Vec<T> = (0..n).flat_map(|q| data::<T>(q, len, 4)).collect();
+            let mut out = vec![T::v(0); len];
+            g.scatter((r == root).then_some(full.as_slice()), &mut out, root)
+                .unwrap();
+            assert_eq!(out, data::<T>(r, len, 4), "scatter {} len {len}", T::DTYPE);
+        }
+        // all_gather (contiguous and list)
+        let mine: Vec<T> = data(r, len, 5);
+        let lists = g.all_gather_list(&mine).unwrap();
+        for (q, l) in lists.iter().enumerate() {
+            assert_eq!(
+                l,
+                &data::<T>(q, len, 5),
+                "all_gather {} len {len}",
+                T::DTYPE
+            );
+        }
+        // reduce_scatter (sum), one buffer and list forms
+        let inp: Vec<T> = data(r, n * len, 6);
+        let mut out = vec![T::v(0); len];
+        g.reduce_scatter(&inp, &mut out, ReduceOp::Sum).unwrap();
+        let theirs: Vec<Vec<T>> = (0..n).map(|q| data::<T>(q, n * len, 6)).collect();
+        let want: Vec<T> = (0..len)
+            .map(|i| {
+                let sum = theirs.iter().map(|t| t[r * len + i].wide()).sum::<f64>();
+                // Integers wrap (the cast from i64 truncates like the kernels' wrapping adds).
+                if T::INTEGER {
+                    T::v(sum as i64)
+                } else {
+                    T::from_wide(sum)
+                }
+            })
+            .collect();
+        assert_eq!(out, want, "reduce_scatter {} len {len}", T::DTYPE);
+        let lists: Vec<Vec<T>> = (0..n)
+            .map(|q| inp[q * len..(q + 1) * len].to_vec())
+            .collect();
+        let mut out2 = vec![T::v(0); len];
+        g.reduce_scatter_list(&lists, &mut out2, ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(out2, out);
+        // all_to_all equal
+        let inp: Vec<T> = data(r, n * len, 7);
+        let mut out = vec![T::v(0); n * len];
+        g.all_to_all(&inp, &mut out).unwrap();
+        for q in 0..n {
+            assert_eq!(
+                &out[q * len..(q + 1) * len],
+                &data::<T>(q, n * len, 7)[r * len..(r + 1) * len]
+            );
+        }
+    }
+    // all_to_all_v: rank r sends (r + j) % 3 elements to rank j.
+    let cnt = |from: usize, to: usize| (from + to) % 3;
+    let send: Vec<usize> = (0..n).map(|j| cnt(r, j)).collect();
+    let recv: Vec<usize> = (0..n).map(|i| cnt(i, r)).collect();
+    let inp: Vec<T> = data(r, send.iter().sum(), 8);
+    let mut out = vec![T::v(0); recv.iter().sum()];
+    g.all_to_all_v(&inp, &send, &mut out, &recv).unwrap();
+    let mut off = 0;
+    for i in 0..n {
+        let theirs: Vec<T> = data(i, (0..n).map(|j| cnt(i, j)).sum(), 8);
+        let start: usize = (0..r).map(|j| cnt(i, j)).sum();
+        assert_eq!(
+            &out[off..off + recv[i]],
+            &theirs[start..start + recv[i]],
+            "all_to_all_v from {i}"
+        );
+        off += recv[i];
+    }
+}
+
+#[test]
+fn data_movement_collectives() {
+    run("data_movement_collectives", ALL, |g| {
+        check_movement::<f32>(g);
+        check_movement::<i64>(g);
+        check_movement::<bf16>(g);
+        check_movement::<u8>(g);
+    });
+}
+
+#[test]
+fn async_collectives_in_flight_together() {
+    run("async_collectives_in_flight_together", &[1, 2, 3, 5], |g| {
+        let (n, r) = (g.size(), g.rank());
+        let a = g
+            .all_reduce_async(vec![r as f32 + 1.0; 100_000], ReduceOp::Sum)
+            .unwrap();
+        let b = g.broadcast_async(vec![r as i32; 9], n - 1).unwrap();
+        // A blocking collective between async ones.
+        let mut x = [1i64];
+        g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x[0], n as i64);
+        let c = g.all_gather_async(vec![r as u8; 3]).unwrap();
+        let d = g
+            .reduce_scatter_async(vec![1i32; 4 * n], ReduceOp::Sum)
+            .unwrap();
+        let e = g.all_to_all_async(vec![r as f64; 2 * n]).unwrap();
+        let f = g.gather_async(vec![r as i8], 0).unwrap();
+        let h = g
+            .scatter_async(
+                if r == 0 {
+                    (0..n as i32).collect()
+                } else {
+                    vec![]
+                },
+                1,
+                0,
+            )
+            .unwrap();
+        let expect = (n * (n + 1) / 2) as f32;
+        assert!(a.into_buffer().unwrap().iter().all(|&v| v == expect));
+        assert_eq!(b.into_buffer().unwrap(), vec![(n - 1) as i32; 9]);
+        assert_eq!(
+            c.into_buffer().unwrap(),
+            (0..n).flat_map(|q| vec![q as u8; 3]).collect::<Vec<_>>()
+        );
+        assert_eq!(d.into_buffer().unwrap(), vec![n as i32; 4]);
+        assert_eq!(
+            e.into_buffer().unwrap(),
+            (0..n).flat_map(|q| vec![q as f64; 2]).collect::<Vec<_>>()
+        );
+        let gathered = f.into_buffer().unwrap();
+        if r == 0 {
+            assert_eq!(gathered, (0..n as i8).collect::<Vec<_>>());
+        }
+        let scattered = h
+            .into_buffer()
+            .unwrap_or_else(|e| panic!("scatter_async: {e}"));
+        assert_eq!(scattered, vec![r as i32]);
+    });
+}
+
+#[test]
+fn subgroups_disjoint_and_overlapping() {
+    run("subgroups_disjoint_and_overlapping", &[1, 3, 4, 5], |g| {
+        let (n, r) = (g.size(), g.rank());
+        let evens: Vec<usize> = (0..n).step_by(2).collect();
+        let odds: Vec<usize> = (1..n).step_by(2).collect();
+        let first3: Vec<usize> = (0..n.min(3)).rev().collect();
+        let ge = g.new_group(&evens).unwrap();
+        let go = if odds.is_empty() {
+            None
+        } else {
+            g.new_group(&odds).unwrap()
+        };
+        let g3 = g.new_group(&first3).unwrap();
+        assert_eq!(ge.is_some(), r % 2 == 0);
+        assert_eq!(go.is_some(), r % 2 == 1);
+        assert_eq!(g3.is_some(), r < 3);
+        for (sub, members) in [(&ge, &evens), (&go, &odds), (&g3, &first3)] {
+            let Some(sub) = sub else { continue };
+            assert_eq!(sub.size(), members.len());
+            assert_eq!(sub.global_rank(sub.rank()), Some(r));
+            let mut x = vec![r as i64; 5];
+            sub.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, vec![members.iter().sum::<usize>() as i64; 5]);
+            // Point-to-point by group rank.
+            let m = sub.size();
+            let next = (sub.rank() + 1) % m;
+            let prev = (sub.rank() + m - 1) % m;
+            let mut w = sub.irecv(vec![0i64; 1], prev, 3).unwrap();
+            sub.send(&[r as i64], next, 3).unwrap();
+            let st = w.wait().unwrap();
+            assert_eq!(st.peer, prev, "status names the group rank");
+            assert_eq!(w.into_buffer().unwrap(), vec![members[prev] as i64]);
+            sub.barrier().unwrap();
+        }
+        // The world still works after the subgroups.
+        let mut y = [1u8];
+        g.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        assert_eq!(y[0] as usize, n);
+        assert!(g.new_group(&[0, 0]).is_err());
+        assert!(g.new_group(&[n]).is_err());
+    });
+}
+
+#[test]
+fn desync_is_an_error_on_every_involved_rank() {
+    run("desync_is_an_error_on_every_involved_rank", &[2, 3], |g| {
+        let r = g.rank();
+        // Same collective, different counts.
+        let mut buf = vec![1f32; 10 + r];
+        match g.all_reduce(&mut buf, ReduceOp::Sum) {
+            Err(Error::Desync { ours, theirs, .. }) => {
+                assert!(
+                    ours.contains("all_reduce") && theirs.contains("all_reduce"),
+                    "{ours} / {theirs}"
+                )
+            }
+            other => panic!("rank {r}: expected desync, got {other:?}"),
+        }
+        g.barrier().unwrap();
+        // Different collectives at the same point.
+        let mut buf = vec![1f32; 8];
+        let res = if r == 0 {
+            g.all_reduce(&mut buf, ReduceOp::Sum)
+        } else {
+            g.broadcast(&mut buf, 0)
+        };
+        match res {
+            Err(Error::Desync { ours, theirs, .. }) => {
+                assert!(ours != theirs, "{ours} / {theirs}");
+                assert!(ours.contains("broadcast") || theirs.contains("broadcast"));
+            }
+            other => panic!("rank {r}: expected desync, got {other:?}"),
+        }
+        g.barrier().unwrap();
+        // After the errors, matching collectives work again.
+        let mut ok = vec![1i32; 4];
+        g.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+        assert_eq!(ok, vec![g.size() as i32; 4]);
+    });
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    run("bad_arguments_are_typed_errors", &[1, 2], |g| {
+        let n = g.size();
+        let mut f = vec![1f32; 3];
+        assert!(matches!(
+            g.all_reduce(&mut f, ReduceOp::BXor),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            g.broadcast(&mut f, n),
+            Err(Error::InvalidRank { .. })
+        ));
+        let mut small = vec![0f32; 1];
+        assert!(matches!(
+            g.all_gather(&f, &mut small),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            g.reduce_scatter(&f, &mut small, ReduceOp::Sum),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            g.all_to_all_v(&f, &[1], &mut small, &[1]),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // Nothing was consumed: the next collective still matches on every rank.
+        g.all_reduce(&mut f, ReduceOp::Sum).unwrap();
+        assert_eq!(f, vec![n as f32; 3]);
+    });
+}
+
+#[allow(dead_code)]
+fn _element_bound<T: Element>() {}

@@ -1,4 +1,5 @@
-//! `distcomm bench`: point-to-point ping-pong and streaming, nccl-tests style.
+//! `distcomm bench`: point-to-point ping-pong and streaming, and every collective, in the
+//! nccl-tests style (size, count, type, op, time, algbw, busbw, check).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,9 +9,10 @@ use serde::Serialize;
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
-    /// What to measure.
-    #[arg(value_enum, default_value_t = Suite::P2p)]
-    suite: Suite,
+    /// What to measure: p2p, a collective (all_reduce, broadcast, reduce, all_gather, gather,
+    /// scatter, reduce_scatter, all_to_all, barrier) or all.
+    #[arg(default_value = "p2p", value_parser = parse_suite)]
+    suite: String,
     /// Ranks to start when not run under a launcher.
     #[arg(short = 'n', long = "nproc", default_value_t = 2)]
     nproc: usize,
@@ -23,7 +25,10 @@ pub struct BenchArgs {
     /// Write the results as JSON records to FILE.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Skip payload verification.
+    /// Draw bus bandwidth against size, one line per op, into FILE.svg.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Skip result verification.
     #[arg(long)]
     no_check: bool,
     /// Messages in flight in the streaming test.
@@ -31,10 +36,29 @@ pub struct BenchArgs {
     window: usize,
 }
 
-#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
-enum Suite {
-    /// Ping-pong latency/bandwidth and windowed streaming between ranks 0 and 1.
-    P2p,
+const SUITES: &[&str] = &[
+    "p2p",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "all",
+];
+
+fn parse_suite(s: &str) -> std::result::Result<String, String> {
+    if SUITES.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "unknown benchmark {s:?}; one of {}",
+            SUITES.join(", ")
+        ))
+    }
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -68,9 +92,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return self_launch(&args);
     }
     let group = distcomm::init()?;
-    if group.size() < 2 {
-        return Err(Error::Config("bench p2p needs at least 2 ranks".into()));
-    }
     let sizes = match (&args.sizes, args.quick) {
         (Some(s), _) => s.clone(),
         (None, true) => vec![8, 4096, 1 << 20],
@@ -80,47 +101,99 @@ pub fn run(args: BenchArgs) -> Result<()> {
             v
         }
     };
-    let mut records = Vec::new();
+    let suites: Vec<&str> = match args.suite.as_str() {
+        "all" => SUITES[..SUITES.len() - 1].to_vec(),
+        one => vec![one],
+    };
+    if suites.contains(&"p2p") && group.size() < 2 {
+        return Err(Error::Config("bench p2p needs at least 2 ranks".into()));
+    }
     let lead = group.rank() == 0;
+    let bar = if lead {
+        let steps = suites.iter().filter(|s| **s != "barrier").count() * sizes.len() + 1;
+        let b = indicatif::ProgressBar::new(steps as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let say = |line: String| {
+        if bar.is_hidden() {
+            println!("{line}");
+        } else {
+            bar.println(line);
+        }
+    };
     if lead {
-        println!(
-            "# distcomm bench p2p: world {}, transport {}, ranks 0 <-> 1",
+        say(format!(
+            "# distcomm bench {}: world {}, transport {}",
+            args.suite,
             group.size(),
             group.transport()
-        );
-        println!(
-            "# {:>10} {:>10} {:>6} {:>9} {:>11} {:>12} {:>12} {:>6}",
+        ));
+        say(format!(
+            "# {:>10} {:>10} {:>6} {:>14} {:>11} {:>12} {:>12} {:>6}",
             "size", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "check"
-        );
+        ));
     }
-    for &size in &sizes {
-        for op in ["pingpong", "stream"] {
-            let r = match op {
-                "pingpong" => pingpong(&group, size, !args.no_check)?,
-                _ => stream(&group, size, args.window.max(1), !args.no_check)?,
+    let mut records = Vec::new();
+    for suite in &suites {
+        // A barrier has no size.
+        let sizes = if *suite == "barrier" {
+            &sizes[..1]
+        } else {
+            &sizes[..]
+        };
+        for &size in sizes {
+            bar.set_message(format!("{suite} {size} B"));
+            let recs = match *suite {
+                "p2p" => {
+                    let mut v = Vec::new();
+                    v.extend(pingpong(&group, size, !args.no_check)?);
+                    group.barrier()?;
+                    v.extend(stream(&group, size, args.window.max(1), !args.no_check)?);
+                    v
+                }
+                op => crate::collbench::run_op(&group, op, size, !args.no_check)?
+                    .into_iter()
+                    .collect(),
             };
-            if let Some(rec) = r {
-                println!(
-                    "  {:>10} {:>10} {:>6} {:>9} {:>11.2} {:>12.3} {:>12.3} {:>6}",
+            group.barrier()?;
+            for rec in recs {
+                let elem = if rec.op == "pingpong" || rec.op == "stream" {
+                    1
+                } else {
+                    4
+                };
+                say(format!(
+                    "  {:>10} {:>10} {:>6} {:>14} {:>11.2} {:>12.3} {:>12.3} {:>6}",
                     rec.bytes,
-                    rec.bytes,
-                    "u8",
+                    rec.bytes / elem,
+                    if elem == 1 { "u8" } else { "f32" },
                     rec.op,
                     rec.time_us,
                     rec.algbw_gbs,
                     rec.busbw_gbs,
                     if args.no_check { "skip" } else { "ok" }
-                );
+                ));
                 records.push(rec);
             }
-            group.barrier()?;
+            bar.inc(1);
         }
     }
+    bar.finish_and_clear();
     if lead {
         if let Some(path) = &args.json {
             let text = serde_json::to_string_pretty(&records)
                 .map_err(|e| Error::Config(format!("serialise results: {e}")))?;
             std::fs::write(path, text)
+                .map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+        }
+        if let Some(path) = &args.plot {
+            std::fs::write(path, crate::plot::svg(&records))
                 .map_err(|e| Error::io(format!("write {}", path.display()), e))?;
         }
     }
@@ -140,7 +213,7 @@ fn iters_for(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(10, 2000)
 }
 
-fn fill(buf: &mut [u8], seed: u64) {
+pub fn fill(buf: &mut [u8], seed: u64) {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     for b in buf.iter_mut() {
         x ^= x << 13;
@@ -167,7 +240,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn record(g: &ProcessGroup, op: &'static str, bytes: usize, iters: usize, secs: f64) -> Record {
+/// A result with algbw = bytes / time and busbw = algbw × `factor` (nccl-tests).
+pub fn record(
+    g: &ProcessGroup,
+    op: &'static str,
+    bytes: usize,
+    iters: usize,
+    secs: f64,
+    factor: f64,
+) -> Record {
     let algbw = if secs > 0.0 {
         bytes as f64 / secs / 1e9
     } else {
@@ -181,7 +262,7 @@ fn record(g: &ProcessGroup, op: &'static str, bytes: usize, iters: usize, secs: 
         iters,
         time_us: secs * 1e6,
         algbw_gbs: algbw,
-        busbw_gbs: algbw,
+        busbw_gbs: algbw * factor,
     }
 }
 
@@ -230,7 +311,7 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         samples.push(t.elapsed().as_secs_f64() / 2.0);
     }
     checked(buf, rbuf, size as u64 + 1)?;
-    Ok((g.rank() == 0).then(|| record(g, "pingpong", size, iters, median(samples))))
+    Ok((g.rank() == 0).then(|| record(g, "pingpong", size, iters, median(samples), 1.0)))
 }
 
 fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<Option<Record>> {
@@ -278,5 +359,5 @@ fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<O
             samples.push(t.elapsed().as_secs_f64() / window as f64);
         }
     }
-    Ok((g.rank() == 0).then(|| record(g, "stream", size, iters * window, median(samples))))
+    Ok((g.rank() == 0).then(|| record(g, "stream", size, iters * window, median(samples), 1.0)))
 }

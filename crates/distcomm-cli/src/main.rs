@@ -1,6 +1,8 @@
 //! The `distcomm` command: `launch` local ranks torchrun-style, and `bench` communication.
 
 mod bench;
+mod collbench;
+mod plot;
 
 use std::ffi::OsString;
 use std::process::ExitCode;

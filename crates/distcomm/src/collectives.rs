@@ -111,10 +111,16 @@ fn threshold(var: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// all_reduce switches from recursive doubling to the ring at this many bytes.
+/// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on
+/// two ranks, where the ring's extra round costs more than its halved messages save). Measured
+/// with `DISTCOMM_ALL_REDUCE_RING_MIN=1` vs `=1000000000 distcomm bench all_reduce` on this 2-core
+/// VM: world 2 crosses between 256 KiB and 1 MiB, world 4 between 64 KiB and 256 KiB.
 pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
-/// broadcast switches from the binomial tree to scatter + all-gather at this many bytes.
-pub const BROADCAST_SCATTER_MIN: usize = 256 * 1024;
+/// broadcast switches from the binomial tree to scatter + all-gather at this many bytes, on
+/// five ranks or more. Measured like the all_reduce threshold: on 3 ranks the tree won at every
+/// size up to 16 MiB; on 5 it lost from 4 MiB on (0.58 vs 0.56 GB/s at 4 MiB, 0.54 vs 0.48 at
+/// 16 MiB).
+pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
 
 impl Inner {
     fn invalid(&self, op: &'static str, detail: String) -> Error {
@@ -190,6 +196,7 @@ impl Inner {
         let fp = call.fingerprint();
         let name = call.kind.name();
         let op = call.op.unwrap_or(ReduceOp::Sum);
+        let eager_max = self.engine.eager_max();
         for round in sched {
             let mut recvs = Vec::new();
             let mut sends = Vec::new();
@@ -200,7 +207,8 @@ impl Inner {
                         range,
                         reduce,
                     } => {
-                        let buf = vec![T::zeroed(); range.len()];
+                        let mut buf: Vec<T> = self.pool.take();
+                        buf.resize(range.len(), T::zeroed());
                         let w: Work<Vec<T>> = self.post_recv(
                             name,
                             Box::new(buf),
@@ -218,16 +226,23 @@ impl Inner {
                             Space::In => inp.get(range.clone()),
                         }
                         .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        let mut buf: Vec<T> = self.pool.take();
+                        buf.extend_from_slice(src);
                         let w: Work<Vec<T>> = self.post_send(
                             name,
-                            Box::new(src.to_vec()),
+                            Box::new(buf),
                             T::DTYPE,
                             *peer,
                             CTX_COLL,
                             tag,
                             fp,
                         )?;
-                        sends.push(w);
+                        // A small send completes when the receiver acknowledges it, one more
+                        // one-way trip: do not wait for that. It finishes in the background;
+                        // a receiver that refuses it cancels the collective on every rank.
+                        if std::mem::size_of_val(src) > eager_max {
+                            sends.push(w);
+                        }
                     }
                 }
             }
@@ -244,6 +259,12 @@ impl Inner {
                     T::reduce_into(dst, &data, op);
                 } else {
                     dst.copy_from_slice(&data);
+                }
+                self.pool.give(data);
+            }
+            for w in sends {
+                if let Ok(buf) = w.into_buffer() {
+                    self.pool.give(buf);
                 }
             }
         }
@@ -272,13 +293,17 @@ impl Inner {
         let (n, r) = (self.size(), self.rank);
         let call = Call::new(Kind::AllReduce, buf.len()).op(op);
         let bytes = std::mem::size_of_val(buf);
-        let sched = if bytes >= threshold("DISTCOMM_ALL_REDUCE_RING_MIN", ALL_REDUCE_RING_MIN)
-            && buf.len() >= n
-        {
-            alg::ring_all_reduce(n, r, buf.len())
+        let ring_min = if n == 2 {
+            2 * ALL_REDUCE_RING_MIN
         } else {
-            alg::recursive_doubling_all_reduce(n, r, buf.len())
+            ALL_REDUCE_RING_MIN
         };
+        let sched =
+            if bytes >= threshold("DISTCOMM_ALL_REDUCE_RING_MIN", ring_min) && buf.len() >= n {
+                alg::ring_all_reduce(n, r, buf.len())
+            } else {
+                alg::recursive_doubling_all_reduce(n, r, buf.len())
+            };
         // Averages of 16-bit floats divide in f32 too: widen around the whole thing.
         if op == ReduceOp::Avg {
             if let Some(mut wide) = T::widen(buf) {
@@ -299,7 +324,12 @@ impl Inner {
         let (n, r) = (self.size(), self.rank);
         let call = Call::new(Kind::Broadcast, buf.len()).root(root);
         let bytes = std::mem::size_of_val(buf);
-        let sched = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", BROADCAST_SCATTER_MIN)
+        let scatter_min = if n >= 5 {
+            BROADCAST_SCATTER_MIN
+        } else {
+            usize::MAX
+        };
+        let sched = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", scatter_min)
             && buf.len() >= n
         {
             alg::scatter_all_gather_broadcast(n, r, root, buf.len())
@@ -483,6 +513,44 @@ impl Inner {
             output,
             input,
         )
+    }
+}
+
+/// Scratch buffers for collectives, by element type, so that large transfers reuse memory
+/// instead of faulting in fresh pages every time. Holds a few buffers per type.
+#[derive(Default)]
+pub(crate) struct Pool {
+    free: std::sync::Mutex<
+        std::collections::HashMap<std::any::TypeId, Vec<Box<dyn std::any::Any + Send>>>,
+    >,
+}
+
+impl Pool {
+    const PER_TYPE: usize = 4;
+
+    /// An empty buffer, with capacity left over from earlier use when there is one.
+    pub(crate) fn take<T: Reducible>(&self) -> Vec<T> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.get_mut(&std::any::TypeId::of::<T>())
+            .and_then(|v| v.pop())
+            .and_then(|b| b.downcast::<Vec<T>>().ok())
+            .map(|mut b| {
+                b.clear();
+                *b
+            })
+            .unwrap_or_default()
+    }
+
+    /// Returns a buffer for reuse.
+    pub(crate) fn give<T: Reducible>(&self, buf: Vec<T>) {
+        if buf.capacity() == 0 {
+            return;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let list = free.entry(std::any::TypeId::of::<T>()).or_default();
+        if list.len() < Self::PER_TYPE {
+            list.push(Box::new(buf));
+        }
     }
 }
 

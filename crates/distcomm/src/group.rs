@@ -148,6 +148,7 @@ impl GroupBuilder {
                 coll_seq: AtomicU32::new(0),
                 groups: Arc::new(AtomicU32::new(0)),
                 worker: Mutex::new(None),
+                pool: Default::default(),
                 keep: Arc::new(Keep {
                     _store: store,
                     _server: server,
@@ -253,6 +254,8 @@ pub(crate) struct Inner {
     groups: Arc<AtomicU32>,
     /// Runs this group's asynchronous collectives in issue order.
     pub(crate) worker: Mutex<Option<mpsc::Sender<Job>>>,
+    /// Scratch buffers of collectives, reused so that large ones are not faulted in anew.
+    pub(crate) pool: crate::collectives::Pool,
     keep: Arc<Keep>,
 }
 
@@ -430,6 +433,7 @@ impl ProcessGroup {
                 coll_seq: AtomicU32::new(0),
                 groups: self.inner.groups.clone(),
                 worker: Mutex::new(None),
+                pool: Default::default(),
                 keep: self.inner.keep.clone(),
             }),
         }))

@@ -462,3 +462,23 @@ fn bad_arguments_are_typed_errors() {
 
 #[allow(dead_code)]
 fn _element_bound<T: Element>() {}
+
+#[test]
+fn bandwidth_algorithms_forced_at_every_size() {
+    let env = [("DISTCOMM_ALL_REDUCE_RING_MIN", "1"), ("DISTCOMM_BROADCAST_SCATTER_MIN", "1")];
+    common::run_env("bandwidth_algorithms_forced_at_every_size", ALL, &env, |g| {
+        check_all_reduce::<f32>(g);
+        check_all_reduce::<bf16>(g);
+        check_all_reduce::<i32>(g);
+        check_movement::<i64>(g);
+    });
+}
+
+#[test]
+fn latency_algorithms_forced_at_every_size() {
+    let env = [("DISTCOMM_ALL_REDUCE_RING_MIN", "1000000000000")];
+    common::run_env("latency_algorithms_forced_at_every_size", &[2, 3, 5], &env, |g| {
+        check_all_reduce::<f64>(g);
+        check_all_reduce::<u8>(g);
+    });
+}

@@ -1374,6 +1374,11 @@ impl Engine {
         self.sh.poke();
     }
 
+    /// Largest message sent without the receiver-ready handshake.
+    pub(crate) fn eager_max(&self) -> usize {
+        self.sh.lock().eager_max
+    }
+
     /// Whether the connection to `peer` has failed, and why.
     pub(crate) fn peer_failure(&self, peer: usize) -> Option<String> {
         self.sh.lock().dead_reason(peer)

@@ -15,6 +15,7 @@
 //! * dropping an async collective's handle lets it run to completion (withdrawing it would
 //!   desynchronise the group).
 
+use std::mem::size_of_val;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -73,6 +74,8 @@ struct Call {
     op: Option<ReduceOp>,
     root: usize,
     count: usize,
+    /// The call's size in the nccl-tests sense (for the comms log).
+    bytes: usize,
 }
 
 impl Call {
@@ -82,7 +85,12 @@ impl Call {
             op: None,
             root: 0,
             count,
+            bytes: 0,
         }
+    }
+    fn bytes(mut self, bytes: usize) -> Call {
+        self.bytes = bytes;
+        self
     }
     fn op(mut self, op: ReduceOp) -> Call {
         self.op = Some(op);
@@ -167,7 +175,12 @@ impl Inner {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
+        let started = Instant::now();
         let result = self.execute_rounds(call, tag, sched, out, inp);
+        if result.is_ok() {
+            self.log
+                .record(call.kind.name(), call.bytes, self.size(), started.elapsed());
+        }
         if let Err(e) = &result {
             // Let every member know, so that none waits for us until its deadline.
             let desync = matches!(e, Error::Desync { .. });
@@ -291,7 +304,9 @@ impl Inner {
 
     fn all_reduce_on<T: Reducible>(&self, tag: u32, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::AllReduce, buf.len()).op(op);
+        let call = Call::new(Kind::AllReduce, buf.len())
+            .op(op)
+            .bytes(size_of_val(buf));
         let bytes = std::mem::size_of_val(buf);
         let ring_min = if n == 2 {
             2 * ALL_REDUCE_RING_MIN
@@ -322,7 +337,9 @@ impl Inner {
 
     fn broadcast_on<T: Reducible>(&self, tag: u32, buf: &mut [T], root: usize) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::Broadcast, buf.len()).root(root);
+        let call = Call::new(Kind::Broadcast, buf.len())
+            .root(root)
+            .bytes(size_of_val(buf));
         let bytes = std::mem::size_of_val(buf);
         let scatter_min = if n >= 5 {
             BROADCAST_SCATTER_MIN
@@ -347,7 +364,10 @@ impl Inner {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::Reduce, buf.len()).op(op).root(root);
+        let call = Call::new(Kind::Reduce, buf.len())
+            .op(op)
+            .root(root)
+            .bytes(size_of_val(buf));
         let sched = alg::binomial_reduce(n, r, root, buf.len());
         match (op, T::widen(buf)) {
             (ReduceOp::Avg, Some(mut wide)) => {
@@ -376,7 +396,7 @@ impl Inner {
             ));
         }
         output[r * k..(r + 1) * k].copy_from_slice(input);
-        let call = Call::new(Kind::AllGather, k);
+        let call = Call::new(Kind::AllGather, k).bytes(size_of_val(output));
         self.execute(&call, tag, &alg::ring_all_gather(n, r, n * k), output, &[])
     }
 
@@ -388,7 +408,9 @@ impl Inner {
         root: usize,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, input.len());
-        let call = Call::new(Kind::Gather, k).root(root);
+        let call = Call::new(Kind::Gather, k)
+            .root(root)
+            .bytes(n * size_of_val(input));
         let sched = alg::direct_gather(n, r, root, k);
         match output {
             Some(out) if r == root => {
@@ -414,7 +436,9 @@ impl Inner {
         root: usize,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, output.len());
-        let call = Call::new(Kind::Scatter, k).root(root);
+        let call = Call::new(Kind::Scatter, k)
+            .root(root)
+            .bytes(n * size_of_val(output));
         let sched = alg::direct_scatter(n, r, root, k);
         if r != root {
             return self.execute(&call, tag, &sched, output, &[]);
@@ -445,7 +469,9 @@ impl Inner {
                 format!("input holds {} elements, needs {n} x {k}", input.len()),
             ));
         }
-        let call = Call::new(Kind::ReduceScatter, k).op(op);
+        let call = Call::new(Kind::ReduceScatter, k)
+            .op(op)
+            .bytes(size_of_val(input));
         let sched = alg::ring_reduce_scatter(n, r, n * k);
         let mine = r * k..(r + 1) * k;
         match T::widen(input) {
@@ -505,7 +531,8 @@ impl Inner {
         }
         output[rr[r].clone()].copy_from_slice(&input[sr[r].clone()]);
         // Uneven splits differ per rank, so only the equal form fingerprints its count.
-        let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() });
+        let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() })
+            .bytes(size_of_val(input));
         self.execute(
             &call,
             tag,

@@ -149,6 +149,7 @@ impl GroupBuilder {
                 groups: Arc::new(AtomicU32::new(0)),
                 worker: Mutex::new(None),
                 pool: Default::default(),
+                log: crate::commslog::CommsLog::from_env(),
                 keep: Arc::new(Keep {
                     _store: store,
                     _server: server,
@@ -256,6 +257,8 @@ pub(crate) struct Inner {
     pub(crate) worker: Mutex<Option<mpsc::Sender<Job>>>,
     /// Scratch buffers of collectives, reused so that large ones are not faulted in anew.
     pub(crate) pool: crate::collectives::Pool,
+    /// Opt-in per-op statistics.
+    pub(crate) log: crate::commslog::CommsLog,
     keep: Arc<Keep>,
 }
 
@@ -434,6 +437,7 @@ impl ProcessGroup {
                 groups: self.inner.groups.clone(),
                 worker: Mutex::new(None),
                 pool: Default::default(),
+                log: crate::commslog::CommsLog::from_env(),
                 keep: self.inner.keep.clone(),
             }),
         }))

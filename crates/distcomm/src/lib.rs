@@ -25,6 +25,7 @@
 
 pub mod algorithms;
 mod collectives;
+pub mod commslog;
 pub mod dtype;
 pub mod env;
 pub mod error;

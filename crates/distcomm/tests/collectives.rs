@@ -465,20 +465,93 @@ fn _element_bound<T: Element>() {}
 
 #[test]
 fn bandwidth_algorithms_forced_at_every_size() {
-    let env = [("DISTCOMM_ALL_REDUCE_RING_MIN", "1"), ("DISTCOMM_BROADCAST_SCATTER_MIN", "1")];
-    common::run_env("bandwidth_algorithms_forced_at_every_size", ALL, &env, |g| {
-        check_all_reduce::<f32>(g);
-        check_all_reduce::<bf16>(g);
-        check_all_reduce::<i32>(g);
-        check_movement::<i64>(g);
-    });
+    let env = [
+        ("DISTCOMM_ALL_REDUCE_RING_MIN", "1"),
+        ("DISTCOMM_BROADCAST_SCATTER_MIN", "1"),
+    ];
+    common::run_env(
+        "bandwidth_algorithms_forced_at_every_size",
+        ALL,
+        &env,
+        |g| {
+            check_all_reduce::<f32>(g);
+            check_all_reduce::<bf16>(g);
+            check_all_reduce::<i32>(g);
+            check_movement::<i64>(g);
+        },
+    );
 }
 
 #[test]
 fn latency_algorithms_forced_at_every_size() {
     let env = [("DISTCOMM_ALL_REDUCE_RING_MIN", "1000000000000")];
-    common::run_env("latency_algorithms_forced_at_every_size", &[2, 3, 5], &env, |g| {
-        check_all_reduce::<f64>(g);
-        check_all_reduce::<u8>(g);
-    });
+    common::run_env(
+        "latency_algorithms_forced_at_every_size",
+        &[2, 3, 5],
+        &env,
+        |g| {
+            check_all_reduce::<f64>(g);
+            check_all_reduce::<u8>(g);
+        },
+    );
+}
+
+#[test]
+fn comms_log_counts_ops_and_keeps_async_async() {
+    common::run_env(
+        "comms_log_counts_ops_and_keeps_async_async",
+        &[2, 3],
+        &[("DISTCOMM_COMMS_LOG", "1")],
+        |g| {
+            let r = g.rank();
+            if r != 0 {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+            let t = std::time::Instant::now();
+            let w = g.all_reduce_async(vec![1f32; 256], ReduceOp::Sum).unwrap();
+            if r == 0 {
+                assert!(
+                    t.elapsed() < std::time::Duration::from_millis(100),
+                    "issuing blocked"
+                );
+                assert!(!w.is_completed(), "completed before the peers joined");
+            }
+            w.into_buffer().unwrap();
+            for _ in 0..3 {
+                let mut x = vec![0i32; 10];
+                g.all_reduce(&mut x, ReduceOp::Max).unwrap();
+            }
+            let mut b = vec![0u8; 100];
+            g.broadcast(&mut b, 0).unwrap();
+            let stats = g.comms_log();
+            let find = |op: &str, bytes: usize| {
+                stats
+                    .iter()
+                    .find(|s| s.op == op && s.bytes == bytes)
+                    .cloned()
+            };
+            assert_eq!(
+                find("all_reduce", 1024).map(|s| s.count),
+                Some(1),
+                "{stats:?}"
+            );
+            assert_eq!(
+                find("all_reduce", 40).map(|s| s.count),
+                Some(3),
+                "{stats:?}"
+            );
+            let bc = find("broadcast", 100).unwrap();
+            assert!(bc.p50_us > 0.0 && bc.p99_us >= bc.p50_us && bc.total_bytes == 100);
+            assert!(g.comms_log_summary().contains("all_reduce"));
+            g.set_comms_log(false);
+            g.all_reduce(&mut [0i32; 10], ReduceOp::Max).unwrap();
+            assert_eq!(
+                g.comms_log()
+                    .iter()
+                    .find(|s| s.bytes == 40)
+                    .map(|s| s.count),
+                Some(3)
+            );
+        },
+    );
 }

@@ -1,0 +1,162 @@
+//! The comms log: opt-in statistics of every collective a group runs — count, bytes, latency
+//! percentiles, algbw and busbw per (op, size) — as data ([`ProcessGroup::comms_log`]) and as a
+//! summary table like DeepSpeed's `log_summary` ([`ProcessGroup::comms_log_summary`]).
+//!
+//! Turn it on with `DISTCOMM_COMMS_LOG=1` or [`ProcessGroup::set_comms_log`]. Recording happens
+//! where the collective ends, in whichever thread ran it (the caller for blocking calls, the
+//! group's collective thread for async ones): it never waits on an async operation, so logging
+//! does not make async collectives synchronous. The latency of an async collective is its
+//! execution time on the collective thread, not including time queued behind earlier ones.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::ProcessGroup;
+
+/// Statistics of one (op, size).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommsStat {
+    /// The API's name (`all_reduce`, ...).
+    pub op: &'static str,
+    /// Size per call, nccl-tests convention.
+    pub bytes: usize,
+    pub count: usize,
+    pub total_bytes: u64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    /// Bytes / median time, GB/s.
+    pub algbw_gbs: f64,
+    /// algbw × the op's bus factor (nccl-tests), GB/s.
+    pub busbw_gbs: f64,
+}
+
+/// (op, bytes) -> (group size, latencies in µs).
+type Samples = BTreeMap<(&'static str, usize), (usize, Vec<f64>)>;
+
+#[derive(Default)]
+pub(crate) struct CommsLog {
+    on: AtomicBool,
+    samples: Mutex<Samples>,
+}
+
+fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" | "reduce" => 1.0,
+        _ => (n - 1.0) / n,
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+impl CommsLog {
+    pub(crate) fn from_env() -> CommsLog {
+        let log = CommsLog::default();
+        let on = std::env::var("DISTCOMM_COMMS_LOG").is_ok_and(|v| !v.is_empty() && v != "0");
+        log.on.store(on, Ordering::Relaxed);
+        log
+    }
+
+    pub(crate) fn record(&self, op: &'static str, bytes: usize, n: usize, took: Duration) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        let e = s.entry((op, bytes)).or_insert((n, Vec::new()));
+        e.1.push(took.as_secs_f64() * 1e6);
+    }
+
+    fn stats(&self) -> Vec<CommsStat> {
+        let s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        s.iter()
+            .map(|(&(op, bytes), (n, lat))| {
+                let mut v = lat.clone();
+                v.sort_by(|a, b| a.total_cmp(b));
+                let p50 = percentile(&v, 0.5);
+                let algbw = if p50 > 0.0 {
+                    bytes as f64 / p50 / 1e3
+                } else {
+                    0.0
+                };
+                CommsStat {
+                    op,
+                    bytes,
+                    count: v.len(),
+                    total_bytes: bytes as u64 * v.len() as u64,
+                    p50_us: p50,
+                    p90_us: percentile(&v, 0.9),
+                    p99_us: percentile(&v, 0.99),
+                    max_us: v.last().copied().unwrap_or(0.0),
+                    algbw_gbs: algbw,
+                    busbw_gbs: algbw * bus_factor(op, *n),
+                }
+            })
+            .collect()
+    }
+}
+
+impl ProcessGroup {
+    /// Turns the comms log on or off (it starts on when `DISTCOMM_COMMS_LOG=1`).
+    pub fn set_comms_log(&self, on: bool) {
+        self.inner.log.on.store(on, Ordering::Relaxed);
+    }
+
+    /// Statistics so far, by op and size.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// let group = distcomm::init()?;
+    /// group.set_comms_log(true);
+    /// let mut x = vec![1f32; 1024];
+    /// group.all_reduce(&mut x, distcomm::ReduceOp::Sum)?;
+    /// let stats = group.comms_log();
+    /// assert_eq!(stats[0].op, "all_reduce");
+    /// print!("{}", group.comms_log_summary());
+    /// # Ok(()) }
+    /// ```
+    pub fn comms_log(&self) -> Vec<CommsStat> {
+        self.inner.log.stats()
+    }
+
+    /// The statistics as a table, one line per (op, size).
+    pub fn comms_log_summary(&self) -> String {
+        let mut out = format!(
+            "{:<15} {:>12} {:>7} {:>14} {:>10} {:>10} {:>10} {:>11} {:>11}\n",
+            "op",
+            "size(B)",
+            "count",
+            "total(B)",
+            "p50(us)",
+            "p90(us)",
+            "p99(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)"
+        );
+        for s in self.comms_log() {
+            out += &format!(
+                "{:<15} {:>12} {:>7} {:>14} {:>10.1} {:>10.1} {:>10.1} {:>11.3} {:>11.3}\n",
+                s.op,
+                s.bytes,
+                s.count,
+                s.total_bytes,
+                s.p50_us,
+                s.p90_us,
+                s.p99_us,
+                s.algbw_gbs,
+                s.busbw_gbs
+            );
+        }
+        out
+    }
+}

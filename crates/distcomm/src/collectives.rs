@@ -112,11 +112,20 @@ impl Call {
 
 /// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
 /// how they were measured. Overridable by environment variables.
-fn threshold(var: &str, default: usize) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
+fn threshold(var: &'static str, default: usize) -> usize {
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<Vec<(&'static str, Option<usize>)>>> =
+        std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+    let v = match c.iter().find(|(k, _)| *k == var) {
+        Some((_, v)) => *v,
+        None => {
+            let v = std::env::var(var).ok().and_then(|v| v.trim().parse().ok());
+            c.push((var, v));
+            v
+        }
+    };
+    v.unwrap_or(default)
 }
 
 /// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on

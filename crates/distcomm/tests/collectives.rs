@@ -288,9 +288,13 @@ fn check_movement<T: Val>(g: &ProcessGroup) {
 fn data_movement_collectives() {
     run("data_movement_collectives", ALL, |g| {
         check_movement::<f32>(g);
-        check_movement::<i64>(g);
+        check_movement::<f64>(g);
+        check_movement::<f16>(g);
         check_movement::<bf16>(g);
+        check_movement::<i8>(g);
         check_movement::<u8>(g);
+        check_movement::<i32>(g);
+        check_movement::<i64>(g);
     });
 }
 

@@ -39,12 +39,17 @@ struct Bufs {
     block: usize,
 }
 
-fn bufs(n: usize, size: usize) -> Bufs {
+fn bufs(op: &str, n: usize, size: usize) -> Bufs {
     let count = (size / 4).max(1);
     let block = (count / n).max(1);
+    // Ops made of per-rank blocks need a whole number of them.
+    let len = match op {
+        "all_reduce" | "broadcast" | "reduce" | "barrier" => count,
+        _ => block * n,
+    };
     Bufs {
-        a: vec![0.0; count.max(block * n)],
-        b: vec![0.0; count.max(block * n)],
+        a: vec![0.0; len],
+        b: vec![0.0; len],
         block,
     }
 }
@@ -115,7 +120,7 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
 
 /// Benchmarks `op` at `size` bytes. Returns the record on rank 0.
 pub fn run_op(g: &ProcessGroup, op: &str, size: usize, check: bool) -> Result<Option<Record>> {
-    let mut x = bufs(g.size(), size);
+    let mut x = bufs(op, g.size(), size);
     if check {
         verify(g, op, &mut x)?;
     }

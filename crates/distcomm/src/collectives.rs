@@ -112,9 +112,11 @@ impl Call {
 
 /// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
 /// how they were measured. Overridable by environment variables.
+/// Environment overrides, read once per variable.
+type EnvCache = std::sync::Mutex<Vec<(&'static str, Option<usize>)>>;
+
 fn threshold(var: &'static str, default: usize) -> usize {
-    static CACHE: std::sync::OnceLock<std::sync::Mutex<Vec<(&'static str, Option<usize>)>>> =
-        std::sync::OnceLock::new();
+    static CACHE: std::sync::OnceLock<EnvCache> = std::sync::OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
     let v = match c.iter().find(|(k, _)| *k == var) {

@@ -17,6 +17,11 @@ use crate::work::{BoxBuf, Driver, Status, Work};
 /// Largest user tag. Tags above it are refused with [`Error::TagOutOfRange`].
 pub const MAX_TAG: u32 = i32::MAX as u32;
 
+/// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
+/// then sleep: a short yielding spin catches a reply from a rank that is running now without
+/// keeping anyone from the core (see the README for the measurements behind it).
+pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
+
 /// Default deadline of blocking calls (override with `DISTCOMM_TIMEOUT` in seconds, or
 /// [`GroupBuilder::timeout`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -125,16 +130,18 @@ impl GroupBuilder {
         let streams = connect_mesh(&store, self.rank, self.world, ip, timeout)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let local = self.local_world.unwrap_or(self.world);
+        let oversubscribed = local > cores;
         let spin = match env_u64("DISTCOMM_SPIN_US")? {
             Some(us) => Duration::from_micros(us),
-            None if local <= cores => Duration::from_millis(2),
-            None => Duration::ZERO,
+            None if !oversubscribed => Duration::from_millis(2),
+            None => OVERSUBSCRIBED_SPIN,
         };
         let eager_max = env_u64("DISTCOMM_EAGER_MAX")?.unwrap_or(64 * 1024) as usize;
         let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.map(|b| b as usize);
         let cfg = EngineConfig {
             eager_max,
             spin,
+            yield_spin: oversubscribed,
             sockbuf,
         };
         let engine = Engine::start(self.rank, streams, cfg)?;
@@ -372,6 +379,11 @@ impl ProcessGroup {
     pub fn transport(&self) -> &'static str {
         "tcp"
     }
+
+    /// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
+    /// then sleep: a short yielding spin catches a reply from a rank that is running now without
+    /// keeping anyone from the core (see the README for the measurements behind it).
+    pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
 
     /// Default deadline of blocking calls.
     pub fn timeout(&self) -> Duration {

@@ -46,6 +46,8 @@ pub struct EngineConfig {
     pub eager_max: usize,
     /// How long a waiter spins (driving progress) before it sleeps.
     pub spin: Duration,
+    /// Yield the core between spins (ranks outnumber cores: let the others run).
+    pub yield_spin: bool,
     /// Socket send and receive buffer size in bytes; 0 leaves the kernel's autotuning on.
     /// `None`: [`LOCAL_SOCKBUF`] towards peers on this host, autotuning towards others.
     pub sockbuf: Option<usize>,
@@ -1051,6 +1053,7 @@ struct Shared {
     epoch: Instant,
     stop: AtomicBool,
     spin: Duration,
+    yield_spin: bool,
 }
 
 impl Shared {
@@ -1179,6 +1182,7 @@ impl Engine {
             epoch: Instant::now(),
             stop: AtomicBool::new(false),
             spin: cfg.spin,
+            yield_spin: cfg.yield_spin,
         });
         let sh2 = sh.clone();
         let thread = std::thread::Builder::new()
@@ -1429,7 +1433,11 @@ impl Engine {
                 if now >= deadline || now.duration_since(idle_since) >= budget {
                     break;
                 }
-                std::hint::spin_loop();
+                if self.sh.yield_spin {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             }
             let done = cell.is_done();
             if !done {

@@ -41,3 +41,8 @@ pub use error::{Error, Result};
 pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
 pub use reduce::{ReduceOp, Reducible};
 pub use work::{Status, Work};
+
+/// The README's examples, compiled as doctests so that they cannot drift from the API.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -467,6 +467,36 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// A user point-to-point send: checks the tag, no fingerprint.
+    fn user_send<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        dst: usize,
+        tag: u32,
+    ) -> Result<Work<B>> {
+        self.check_tag(op, tag)?;
+        let none = Fingerprint::NONE;
+        self.inner
+            .post_send(op, buf, dtype, dst, CTX_USER, tag, none)
+    }
+
+    /// A user point-to-point receive (`src` `None`: any source).
+    fn user_recv<B: 'static>(
+        &self,
+        op: &'static str,
+        buf: BoxBuf,
+        dtype: DType,
+        src: Option<usize>,
+        tag: u32,
+    ) -> Result<Work<B>> {
+        self.check_tag(op, tag)?;
+        let none = Fingerprint::NONE;
+        self.inner
+            .post_recv(op, buf, dtype, src, CTX_USER, tag, none)
+    }
+
     /// Starts sending `buf` to `dst`; returns at once. The buffer comes back from
     /// [`Work::into_buffer`] when the receiver has taken the message.
     ///
@@ -478,123 +508,56 @@ impl ProcessGroup {
     /// # Ok(()) }
     /// ```
     pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
-        self.check_tag("isend", tag)?;
-        self.inner.post_send(
-            "isend",
-            Box::new(buf),
-            T::DTYPE,
-            dst,
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )
+        self.user_send("isend", Box::new(buf), T::DTYPE, dst, tag)
     }
 
     /// Starts receiving into `buf` from `src`; returns at once. A message longer than `buf` fails
     /// both sides with [`Error::MessageTooLarge`]; a shorter one fills a prefix (the status says
     /// how many bytes).
     pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
-        self.check_tag("irecv", tag)?;
-        self.inner.post_recv(
-            "irecv",
-            Box::new(buf),
-            T::DTYPE,
-            Some(src),
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )
+        self.user_recv("irecv", Box::new(buf), T::DTYPE, Some(src), tag)
     }
 
     /// Like [`irecv`](Self::irecv) from whichever rank sends first with `tag`; the status names
     /// the source. World group only.
     pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
-        self.check_tag("irecv", tag)?;
-        self.inner.post_recv(
-            "irecv",
-            Box::new(buf),
-            T::DTYPE,
-            None,
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )
+        self.user_recv("irecv", Box::new(buf), T::DTYPE, None, tag)
     }
 
     /// Sends raw bytes (element type `bytes`).
     pub fn isend_bytes(&self, buf: Vec<u8>, dst: usize, tag: u32) -> Result<Work<Vec<u8>>> {
-        self.check_tag("isend", tag)?;
-        self.inner.post_send(
-            "isend",
-            Box::new(buf),
-            DType::Bytes,
-            dst,
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )
+        self.user_send("isend", Box::new(buf), DType::Bytes, dst, tag)
     }
 
     /// Receives raw bytes; accepts a message of any element type.
     pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
-        self.check_tag("irecv", tag)?;
-        self.inner.post_recv(
-            "irecv",
-            Box::new(buf),
-            DType::Bytes,
-            Some(src),
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )
+        self.user_recv("irecv", Box::new(buf), DType::Bytes, Some(src), tag)
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
     /// to avoid the copy).
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
-        self.check_tag("send", tag)?;
-        let mut w: Work<Vec<T>> = self.inner.post_send(
-            "send",
-            Box::new(data.to_vec()),
-            T::DTYPE,
-            dst,
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )?;
+        let mut w: Work<Vec<T>> =
+            self.user_send("send", Box::new(data.to_vec()), T::DTYPE, dst, tag)?;
         w.wait().map(|_| ())
     }
 
     /// Blocking receive into a slice; returns the source and byte count.
     pub fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<Status> {
-        self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.inner.post_recv(
-            "recv",
-            Box::new(buf),
-            T::DTYPE,
-            Some(src),
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )?;
-        finish_recv(w, out)
+        finish_recv(
+            self.user_recv("recv", Box::new(buf), T::DTYPE, Some(src), tag)?,
+            out,
+        )
     }
 
     /// Blocking receive from any source (world group only).
     pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
-        self.check_tag("recv", tag)?;
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.inner.post_recv(
-            "recv",
-            Box::new(buf),
-            T::DTYPE,
-            None,
-            CTX_USER,
-            tag,
-            Fingerprint::NONE,
-        )?;
-        finish_recv(w, out)
+        finish_recv(
+            self.user_recv("recv", Box::new(buf), T::DTYPE, None, tag)?,
+            out,
+        )
     }
 
     /// Blocks until every rank of the group has entered the barrier (dissemination algorithm,

@@ -84,6 +84,13 @@ pub enum Error {
     /// The store peer broke the protocol or sent something out of bounds.
     #[error("store protocol error: {0}")]
     StoreProtocol(String),
+    /// A connection failed authentication (missing or different job secret).
+    #[error("rank {rank}: authentication with rank {peer} failed: {detail}")]
+    Auth {
+        rank: usize,
+        peer: usize,
+        detail: String,
+    },
     /// A transport peer broke the wire protocol.
     #[error("protocol error with rank {peer} (local rank {rank}): {detail}")]
     Protocol {

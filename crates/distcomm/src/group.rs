@@ -45,6 +45,7 @@ pub struct GroupBuilder {
     store_addr: String,
     host_store: Option<bool>,
     timeout: Option<Duration>,
+    secret: Option<Vec<u8>>,
 }
 
 impl GroupBuilder {
@@ -58,6 +59,7 @@ impl GroupBuilder {
             store_addr: format!("127.0.0.1:{}", crate::env::DEFAULT_MASTER_PORT),
             host_store: None,
             timeout: None,
+            secret: None,
         }
     }
 
@@ -88,6 +90,13 @@ impl GroupBuilder {
     /// Default deadline of every blocking call and of `Work::wait`.
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = Some(t);
+        self
+    }
+
+    /// The job secret every transport connection must prove (default: `DISTCOMM_SECRET`, which
+    /// `distcomm launch` generates). Every rank needs the same one.
+    pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
         self
     }
 
@@ -127,7 +136,21 @@ impl GroupBuilder {
         client.add("init/", 1)?;
         let store = PrefixStore::new("distcomm", client);
         let ip: IpAddr = advertise_ip(&host)?;
-        let streams = connect_mesh(&store, self.rank, self.world, ip, timeout)?;
+        let secret = match &self.secret {
+            Some(s) => Some(s.clone()),
+            None => std::env::var("DISTCOMM_SECRET")
+                .ok()
+                .filter(|s| !s.is_empty())
+                .map(String::into_bytes),
+        };
+        let streams = connect_mesh(
+            &store,
+            self.rank,
+            self.world,
+            ip,
+            timeout,
+            secret.as_deref(),
+        )?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let local = self.local_world.unwrap_or(self.world);
         let oversubscribed = local > cores;

@@ -164,6 +164,24 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         (None, cfg.master_port)
     };
     let world = cfg.nproc * cfg.nnodes;
+    // A job secret for the transport handshake: the caller's, or a fresh one on a single node
+    // (several nodes must share one: set DISTCOMM_SECRET on every launcher).
+    let secret = match std::env::var("DISTCOMM_SECRET")
+        .ok()
+        .filter(|s| !s.is_empty())
+    {
+        Some(s) => Some(s),
+        None if cfg.nnodes == 1 => {
+            let mut raw = [0u8; 32];
+            getrandom::getrandom(&mut raw)
+                .map_err(|e| Error::Config(format!("no randomness for the job secret: {e}")))?;
+            Some(raw.iter().map(|b| format!("{b:02x}")).collect())
+        }
+        None => {
+            eprintln!("distcomm launch: no DISTCOMM_SECRET set for a multi-node job; connections will not be authenticated");
+            None
+        }
+    };
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();
     let mut spawn_error = None;
@@ -179,6 +197,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .envs(secret.iter().map(|s| ("DISTCOMM_SECRET", s)))
             .envs(cfg.env.iter().map(|(k, v)| (k, v)))
             .process_group(0)
             .stdin(Stdio::null());

@@ -3,10 +3,11 @@
 //!
 //! * [`frame`]: the bounded wire header shared by the native transports;
 //! * [`tcp`]: the TCP mesh and its progress engine;
-//! * [`connect_mesh`]: establishing the mesh through the rendezvous store, with a versioned
-//!   handshake that is checked before any user buffer is touched.
+//! * [`connect_mesh`]: establishing the mesh through the rendezvous store, with the versioned,
+//!   authenticated [`handshake`] checked before any user buffer is touched.
 
 pub mod frame;
+pub mod handshake;
 pub(crate) mod tcp;
 
 use std::io::{Read, Write};
@@ -15,44 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
-
-const HELLO_MAGIC: &[u8; 4] = b"DCM1";
-const HELLO_VERSION: u32 = 1;
-const HELLO_LEN: usize = 16;
-
-fn hello(rank: usize, world: usize) -> [u8; HELLO_LEN] {
-    let mut b = [0u8; HELLO_LEN];
-    b[..4].copy_from_slice(HELLO_MAGIC);
-    b[4..8].copy_from_slice(&HELLO_VERSION.to_le_bytes());
-    b[8..12].copy_from_slice(&(rank as u32).to_le_bytes());
-    b[12..16].copy_from_slice(&(world as u32).to_le_bytes());
-    b
-}
-
-/// Parses a peer's hello; returns its rank.
-fn parse_hello(b: &[u8; HELLO_LEN], world: usize) -> std::result::Result<usize, String> {
-    if &b[..4] != HELLO_MAGIC {
-        return Err("not a distcomm peer (bad magic)".into());
-    }
-    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
-    if word(4) != HELLO_VERSION as usize {
-        return Err(format!(
-            "protocol version {} (we speak {HELLO_VERSION})",
-            word(4)
-        ));
-    }
-    if word(12) != world {
-        return Err(format!(
-            "peer believes the world has {} ranks, we have {world}",
-            word(12)
-        ));
-    }
-    let r = word(8);
-    if r >= world {
-        return Err(format!("peer claims rank {r} of {world}"));
-    }
-    Ok(r)
-}
+use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
 
 /// The address other ranks should use to reach this host: `DISTCOMM_HOST` if set, loopback when
 /// the master is on loopback, otherwise the local interface that routes to the master.
@@ -90,14 +54,17 @@ pub fn advertise_ip(master: &str) -> Result<IpAddr> {
 }
 
 /// Connects every pair of ranks: each rank listens, publishes its address under `key_prefix`,
-/// connects to every lower rank and accepts every higher one. Returns one stream per peer
-/// (`None` at our own rank).
+/// connects to every lower rank and accepts every higher one, running the [`handshake`] on each
+/// connection (with `secret`, mutual HMAC authentication). Returns one stream per peer (`None`
+/// at our own rank). Connections that fail the handshake are refused, logged and closed; the
+/// ranks still missing then time out with an error naming them.
 pub(crate) fn connect_mesh(
     store: &dyn Store,
     rank: usize,
     world: usize,
     ip: IpAddr,
     timeout: Duration,
+    secret: Option<&[u8]>,
 ) -> Result<Vec<Option<TcpStream>>> {
     let deadline = Instant::now() + timeout;
     let listener =
@@ -116,34 +83,13 @@ pub(crate) fn connect_mesh(
             peer,
             detail: format!("published address {text:?} is not host:port"),
         })?;
-        let mut s = connect_retry(addr, deadline).map_err(|e| Error::PeerLost {
+        let s = connect_retry(addr, deadline).map_err(|e| Error::PeerLost {
             op: "connect",
             rank,
             peer,
             reason: e.to_string(),
         })?;
-        let lost = |e: std::io::Error| Error::PeerLost {
-            op: "handshake",
-            rank,
-            peer,
-            reason: e.to_string(),
-        };
-        s.set_read_timeout(Some(remaining(deadline)))
-            .map_err(lost)?;
-        s.write_all(&hello(rank, world)).map_err(lost)?;
-        let mut reply = [0u8; HELLO_LEN];
-        s.read_exact(&mut reply).map_err(lost)?;
-        match parse_hello(&reply, world) {
-            Ok(r) if r == peer => *slot = Some(s),
-            Ok(r) => {
-                return Err(Error::Protocol {
-                    rank,
-                    peer,
-                    detail: format!("address of rank {peer} answered as rank {r}"),
-                })
-            }
-            Err(detail) => return Err(Error::Protocol { rank, peer, detail }),
-        }
+        *slot = Some(handshake_connect(s, rank, world, peer, secret, deadline)?);
     }
 
     listener
@@ -151,7 +97,7 @@ pub(crate) fn connect_mesh(
         .map_err(|e| Error::io("listener nonblocking", e))?;
     let mut missing = world - rank - 1;
     while missing > 0 {
-        let (mut s, from) = match listener.accept() {
+        let (s, from) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -170,32 +116,119 @@ pub(crate) fn connect_mesh(
             }
             Err(e) => return Err(Error::io("accept", e)),
         };
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(10))));
-        let mut buf = [0u8; HELLO_LEN];
-        let verdict = match s.read_exact(&mut buf) {
-            Err(e) => Err(format!("no hello: {e}")),
-            Ok(()) => parse_hello(&buf, world).and_then(|r| {
-                if r <= rank || streams[r].is_some() {
-                    Err(format!("unexpected connection claiming rank {r}"))
-                } else {
-                    Ok(r)
-                }
-            }),
-        };
-        match verdict {
-            Ok(r) => {
-                if s.write_all(&hello(rank, world)).is_ok() {
-                    streams[r] = Some(s);
-                    missing -= 1;
-                }
+        match handshake_accept(s, rank, world, &streams, secret, deadline) {
+            Ok((r, s)) => {
+                streams[r] = Some(s);
+                missing -= 1;
             }
-            Err(why) => {
-                eprintln!("distcomm rank {rank}: refused connection from {from}: {why}");
-            }
+            Err(why) => eprintln!("distcomm rank {rank}: refused connection from {from}: {why}"),
         }
     }
     Ok(streams)
+}
+
+fn handshake_connect(
+    mut s: TcpStream,
+    rank: usize,
+    world: usize,
+    peer: usize,
+    secret: Option<&[u8]>,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let lost = |e: std::io::Error| Error::PeerLost {
+        op: "handshake",
+        rank,
+        peer,
+        reason: format!("{e} (a peer that refuses our credentials closes the connection)"),
+    };
+    let auth = |detail: String| Error::Auth { rank, peer, detail };
+    s.set_read_timeout(Some(remaining(deadline)))
+        .map_err(lost)?;
+    let me = Hello {
+        rank,
+        world,
+        auth: secret.is_some(),
+        nonce: handshake::nonce().map_err(auth)?,
+    };
+    s.write_all(&me.encode()).map_err(lost)?;
+    let mut buf = [0u8; HELLO_LEN];
+    s.read_exact(&mut buf).map_err(lost)?;
+    let theirs =
+        Hello::decode(&buf, world).map_err(|detail| Error::Protocol { rank, peer, detail })?;
+    if theirs.rank != peer {
+        return Err(Error::Protocol {
+            rank,
+            peer,
+            detail: format!("address of rank {peer} answered as rank {}", theirs.rank),
+        });
+    }
+    handshake::auth_agrees(me.auth, theirs.auth).map_err(auth)?;
+    let mut mac_a = [0u8; TOKEN_LEN];
+    s.read_exact(&mut mac_a).map_err(lost)?;
+    if !handshake::verify(secret, b'A', &theirs, &me, &mac_a) {
+        return Err(auth(
+            "it could not prove the job secret (wrong DISTCOMM_SECRET?)".into(),
+        ));
+    }
+    s.write_all(&handshake::mac(secret, b'C', &theirs, &me))
+        .map_err(lost)?;
+    let mut ok = [0u8; 1];
+    s.read_exact(&mut ok).map_err(lost)?;
+    if ok[0] != 1 {
+        return Err(auth("it refused our credentials".into()));
+    }
+    Ok(s)
+}
+
+/// Runs the acceptor's side; returns the peer's rank and the stream, or why it was refused.
+fn handshake_accept(
+    mut s: TcpStream,
+    rank: usize,
+    world: usize,
+    streams: &[Option<TcpStream>],
+    secret: Option<&[u8]>,
+    deadline: Instant,
+) -> std::result::Result<(usize, TcpStream), String> {
+    let io = |e: std::io::Error| e.to_string();
+    s.set_nonblocking(false).map_err(io)?;
+    s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(10))))
+        .map_err(io)?;
+    let mut buf = [0u8; HELLO_LEN];
+    s.read_exact(&mut buf)
+        .map_err(|e| format!("no hello: {e}"))?;
+    let theirs = Hello::decode(&buf, world)?;
+    if theirs.rank <= rank || streams[theirs.rank].is_some() {
+        return Err(format!(
+            "unexpected connection claiming rank {}",
+            theirs.rank
+        ));
+    }
+    let me = Hello {
+        rank,
+        world,
+        auth: secret.is_some(),
+        nonce: handshake::nonce()?,
+    };
+    s.write_all(&me.encode()).map_err(io)?;
+    handshake::auth_agrees(me.auth, theirs.auth)?;
+    s.write_all(&handshake::mac(secret, b'A', &me, &theirs))
+        .map_err(io)?;
+    let mut mac_c = [0u8; TOKEN_LEN];
+    s.read_exact(&mut mac_c).map_err(|e| {
+        format!(
+            "rank {} left the handshake without proving the job secret; it did not accept ours \
+             (different DISTCOMM_SECRET?): {e}",
+            theirs.rank
+        )
+    })?;
+    if !handshake::verify(secret, b'C', &me, &theirs, &mac_c) {
+        return Err(format!(
+            "rank {} could not prove the job secret (wrong DISTCOMM_SECRET?)",
+            theirs.rank
+        ));
+    }
+    s.write_all(&[1]).map_err(io)?;
+    Ok((theirs.rank, s))
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -215,20 +248,5 @@ fn connect_retry(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hello_checks() {
-        assert_eq!(parse_hello(&hello(3, 5), 5), Ok(3));
-        assert!(parse_hello(&hello(3, 5), 4).is_err());
-        let mut bad = hello(1, 2);
-        bad[0] = b'X';
-        assert!(parse_hello(&bad, 2).is_err());
-        assert!(parse_hello(&hello(7, 8), 5).is_err());
     }
 }

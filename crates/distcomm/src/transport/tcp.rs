@@ -451,16 +451,7 @@ impl State {
     fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
         if matches!(h.kind, Kind::Eager | Kind::Rts) && self.cancelled.contains_key(&(h.ctx, h.tag))
         {
-            let reason = NackReason::Cancelled as u32;
-            self.ctrl(
-                p,
-                Kind::Nack,
-                h.msg_id,
-                reason,
-                0,
-                h.dtype,
-                Fingerprint::NONE,
-            );
+            self.refuse_cancelled(p, &h);
             return Ok(match h.kind {
                 Kind::Eager => Rx::Payload {
                     hdr: h,
@@ -623,6 +614,34 @@ impl State {
         }
     }
 
+    /// Refuses a message of a cancelled collective, so that its sender's operation ends.
+    fn refuse_cancelled(&mut self, src: usize, h: &Header) {
+        let reason = NackReason::Cancelled as u32;
+        let nack = Header {
+            kind: Kind::Nack,
+            dtype: h.dtype,
+            ctx: 0,
+            tag: 0,
+            aux: reason,
+            msg_id: h.msg_id,
+            len: 0,
+            fp: Fingerprint::NONE,
+        };
+        if src == self.rank {
+            let _ = self.on_header(src, nack);
+        } else {
+            self.ctrl(
+                src,
+                Kind::Nack,
+                h.msg_id,
+                reason,
+                0,
+                h.dtype,
+                Fingerprint::NONE,
+            );
+        }
+    }
+
     /// A peer reports that collective (`h.ctx`, `h.tag`) failed there: fail our operations of it
     /// and refuse its later messages.
     fn cancel_collective_from(&mut self, p: usize, h: &Header) {
@@ -655,21 +674,22 @@ impl State {
             first.get_or_insert_with(|| e.clone());
             r.cell.complete(Err(e), None);
         }
-        let ids: Vec<u64> = self
-            .sends
-            .iter()
-            .filter(|(_, s)| (s.ctx, s.tag) == key && s.buf.is_some())
-            .map(|(k, _)| *k)
-            .collect();
-        for id in ids {
-            if let Some(s) = self.sends.remove(&id) {
-                let e = err(s.op, s.fp, s.dtype);
-                first.get_or_insert_with(|| e.clone());
-                s.cell.complete(Err(e), None);
-            }
+        // Our sends of it fail now; their entries stay until the peer's reply (which may still
+        // come) so that the reply is not mistaken for a protocol violation.
+        for s in self.sends.values().filter(|s| (s.ctx, s.tag) == key) {
+            let e = err(s.op, s.fp, s.dtype);
+            first.get_or_insert_with(|| e.clone());
+            s.cell.complete(Err(e), None);
         }
-        // Messages of it already here will never be received.
-        self.unexpected.retain(|u| (u.hdr.ctx, u.hdr.tag) != key);
+        // Messages of it already here will never be received: refuse them.
+        let (dropped, kept): (VecDeque<Unexpected>, VecDeque<Unexpected>) = self
+            .unexpected
+            .drain(..)
+            .partition(|u| (u.hdr.ctx, u.hdr.tag) == key);
+        self.unexpected = kept;
+        for u in dropped {
+            self.refuse_cancelled(u.src, &u.hdr);
+        }
         let e = first.unwrap_or_else(|| err("collective", h.fp, h.dtype));
         self.cancelled.entry(key).or_insert(e);
     }

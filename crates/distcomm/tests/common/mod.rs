@@ -42,6 +42,21 @@ pub fn run_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&Pro
         body(&group);
         return;
     }
+    launch_ranks(name, worlds, env);
+}
+
+/// Runs `body` as every rank without initialising a group first (for tests of init itself).
+pub fn run_raw(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn()) {
+    if let Ok(selected) = std::env::var(CHILD) {
+        if selected == name {
+            body();
+        }
+        return;
+    }
+    launch_ranks(name, worlds, env);
+}
+
+fn launch_ranks(name: &str, worlds: &[usize], env: &[(&str, &str)]) {
     let exe = std::env::current_exe().expect("test binary path");
     for &n in worlds {
         let mut cfg = LaunchConfig::local(n, exe.as_os_str());

@@ -15,7 +15,7 @@
 //! * dropping an async collective's handle lets it run to completion (withdrawing it would
 //!   desynchronise the group).
 
-use std::mem::size_of_val;
+use std::mem::{size_of, size_of_val};
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::frame::Fingerprint;
-use crate::work::{block, Driver, OpCell, Work};
+use crate::work::{block, Driver, OpCell, RawView, Work};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -224,8 +224,41 @@ impl Inner {
         for round in sched {
             let mut recvs = Vec::new();
             let mut sends = Vec::new();
+            // Large transfers of rounds whose ranges do not overlap read and write the caller's
+            // buffers in place (no copy); the guard makes the engine let go of them, whatever
+            // way this round ends, before the buffers are touched again.
+            let in_place = alg::disjoint_in_place(round);
+            let mut direct = ViewGuard {
+                engine: &self.engine,
+                ids: Vec::new(),
+                works: Vec::new(),
+            };
             for step in round {
                 match step {
+                    Step::Recv {
+                        peer,
+                        range,
+                        reduce: false,
+                    } if in_place && range.len() * size_of::<T>() > eager_max => {
+                        let dst = out
+                            .get_mut(range.clone())
+                            .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        // SAFETY: `out` outlives this round; nothing else touches this range
+                        // until the round ends (ranges are disjoint: `in_place`), and the guard
+                        // reclaims the view before the round returns, on every path.
+                        let view = unsafe { RawView::of_mut(bytemuck::cast_slice_mut(dst)) };
+                        let w: Work<()> = self.post_recv(
+                            name,
+                            Box::new(view),
+                            T::DTYPE,
+                            Some(*peer),
+                            CTX_COLL,
+                            tag,
+                            fp,
+                        )?;
+                        direct.ids.push(w.id());
+                        direct.works.push(w);
+                    }
                     Step::Recv {
                         peer,
                         range,
@@ -250,6 +283,22 @@ impl Inner {
                             Space::In => inp.get(range.clone()),
                         }
                         .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        if in_place && size_of_val(src) > eager_max {
+                            // SAFETY: as for receives above; sends only read the range.
+                            let view = unsafe { RawView::of(bytemuck::cast_slice(src)) };
+                            let w: Work<()> = self.post_send(
+                                name,
+                                Box::new(view),
+                                T::DTYPE,
+                                *peer,
+                                CTX_COLL,
+                                tag,
+                                fp,
+                            )?;
+                            direct.ids.push(w.id());
+                            direct.works.push(w);
+                            continue;
+                        }
                         let mut buf: Vec<T> = self.pool.take();
                         buf.extend_from_slice(src);
                         let w: Work<Vec<T>> = self.post_send(
@@ -274,6 +323,7 @@ impl Inner {
                 let mut all: Vec<&mut dyn Pending> = Vec::with_capacity(recvs.len() + sends.len());
                 all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
                 all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
+                all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));
                 wait_all(&mut all, deadline)?;
             }
             for (w, range, reduce) in recvs {
@@ -589,6 +639,20 @@ impl Pool {
         if list.len() < Self::PER_TYPE {
             list.push(Box::new(buf));
         }
+    }
+}
+
+/// Makes the engine let go of a round's in-place views when the round ends, however it ends
+/// (success, error or panic), before the caller's buffers can be touched or freed.
+struct ViewGuard<'a> {
+    engine: &'a crate::transport::tcp::Engine,
+    ids: Vec<u64>,
+    works: Vec<Work<()>>,
+}
+
+impl Drop for ViewGuard<'_> {
+    fn drop(&mut self) {
+        self.engine.reclaim(&self.ids);
     }
 }
 

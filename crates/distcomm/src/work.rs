@@ -50,6 +50,72 @@ impl<T: crate::Element> WireBuf for Vec<T> {
 
 pub(crate) type BoxBuf = Box<dyn WireBuf>;
 
+/// A window onto memory the engine does not own: a range of a collective's own buffers, used
+/// so that large collective transfers skip a copy into scratch memory.
+///
+/// Whoever creates one must keep the memory alive and untouched until the operation is
+/// terminal, or call `Engine::reclaim` on it, which swaps every remaining view for owned memory
+/// under the engine lock. The collective executor does exactly that with a drop guard around
+/// each round (see `collectives.rs`).
+pub(crate) struct RawView {
+    ptr: *mut u8,
+    len: usize,
+    writable: bool,
+}
+
+// SAFETY: a RawView is only dereferenced under the engine lock, by one thread at a time, and
+// its creator guarantees (see above) that the memory outlives every such access and that no
+// one else touches the range meanwhile; moving the pointer between threads is then sound.
+unsafe impl Send for RawView {}
+
+impl RawView {
+    /// A read-only view of `data` (for sends).
+    ///
+    /// # Safety
+    /// `data` must stay alive and unmodified until the operation using the view is terminal or
+    /// the view has been reclaimed.
+    pub(crate) unsafe fn of(data: &[u8]) -> RawView {
+        RawView {
+            ptr: data.as_ptr().cast_mut(),
+            len: data.len(),
+            writable: false,
+        }
+    }
+
+    /// A writable view of `data` (for receives).
+    ///
+    /// # Safety
+    /// `data` must stay alive and otherwise untouched until the operation using the view is
+    /// terminal or the view has been reclaimed.
+    pub(crate) unsafe fn of_mut(data: &mut [u8]) -> RawView {
+        RawView {
+            ptr: data.as_mut_ptr(),
+            len: data.len(),
+            writable: true,
+        }
+    }
+}
+
+impl WireBuf for RawView {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr/len came from a live slice whose owner keeps it alive and unaliased while
+        // the engine may use this view (see `RawView::of`).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        if !self.writable {
+            // The engine only writes into receive buffers; a send view never gets here.
+            debug_assert!(false, "write through a read-only view");
+            return &mut [];
+        }
+        // SAFETY: as in `bytes`, and the creator gave up all other access (`of_mut`).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        Box::new(())
+    }
+}
+
 #[derive(Default)]
 struct Slot {
     result: Option<Result<Status>>,
@@ -214,6 +280,11 @@ impl<B: 'static> Work<B> {
             map: None,
             _buf: PhantomData,
         }
+    }
+
+    /// The engine's id of the operation.
+    pub(crate) fn id(&self) -> u64 {
+        self.op_id
     }
 
     pub(crate) fn with_map(mut self, map: Option<Arc<Vec<usize>>>) -> Self {

@@ -288,6 +288,33 @@ pub fn direct_all_to_all(
     vec![round]
 }
 
+/// Whether, within `round`, the ranges that receives overwrite (`reduce == false`) overlap
+/// neither each other nor any range the round sends from its output. Only then may an executor
+/// let transfers touch the buffer in place, concurrently.
+pub fn disjoint_in_place(round: &[Step]) -> bool {
+    let mut written: Vec<&Range<usize>> = Vec::new();
+    let mut read: Vec<&Range<usize>> = Vec::new();
+    for st in round {
+        match st {
+            Step::Recv {
+                range,
+                reduce: false,
+                ..
+            } => written.push(range),
+            Step::Send {
+                space: Space::Out,
+                range,
+                ..
+            } => read.push(range),
+            _ => {}
+        }
+    }
+    let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
+    written.iter().enumerate().all(|(i, w)| {
+        written[i + 1..].iter().all(|o| !overlap(w, o)) && read.iter().all(|r| !overlap(w, r))
+    })
+}
+
 /// Runs the schedules of all ranks in lock-step on in-memory buffers: `outs[r]` and `ins[r]`
 /// are rank `r`'s buffers; `combine(dst, src)` reduces. Returns an error for a schedule whose
 /// sends and receives do not pair up (counts or sizes).
@@ -440,6 +467,32 @@ mod tests {
             simulate(&s, &mut outs, &big, add).unwrap();
             for (r, o) in outs.iter().enumerate() { prop_assert_eq!(o, &ins[r]); }
         }
+    }
+
+    #[test]
+    fn every_schedule_can_run_in_place() {
+        for n in 1..12 {
+            for r in 0..n {
+                let all = [
+                    ring_all_reduce(n, r, 100),
+                    recursive_doubling_all_reduce(n, r, 100),
+                    binomial_broadcast(n, r, n / 2, 100),
+                    scatter_all_gather_broadcast(n, r, n / 2, 100),
+                    binomial_reduce(n, r, 0, 100),
+                    ring_all_gather(n, r, 10 * n),
+                    direct_gather(n, r, 0, 10),
+                    direct_scatter(n, r, 0, 10),
+                ];
+                for s in all {
+                    assert!(
+                        s.iter().all(|round| disjoint_in_place(round)),
+                        "n {n} r {r}"
+                    );
+                }
+            }
+        }
+        let bad = vec![recv(1, 0..4, false), send(1, 2..6)];
+        assert!(!disjoint_in_place(&bad));
     }
 
     #[test]

@@ -936,6 +936,50 @@ impl State {
             .retain(|u| !(u.src == p && u.data.is_none()));
     }
 
+    fn reclaim(&mut self, ids: &[u64]) {
+        let rank = self.rank;
+        let hit = |id: u64| ids.contains(&id);
+        let withdrawn = |op| Error::Aborted {
+            op,
+            rank,
+            reason: "withdrawn by its collective".into(),
+        };
+        let owned = |b: &BoxBuf| -> BoxBuf { Box::new(b.bytes().to_vec()) };
+        let scratch = |b: &BoxBuf| -> BoxBuf { Box::new(vec![0u8; b.bytes().len()]) };
+        let (gone, kept): (VecDeque<Posted>, VecDeque<Posted>) =
+            self.posted.drain(..).partition(|r| hit(r.id));
+        self.posted = kept;
+        for r in gone {
+            r.cell.complete(Err(withdrawn(r.op)), None);
+        }
+        for (r, _) in self.rdv.values_mut().filter(|(r, _)| hit(r.id)) {
+            r.buf = scratch(&r.buf);
+            r.cell.complete(Err(withdrawn(r.op)), None);
+        }
+        for peer in self.peers.iter_mut().flatten() {
+            if let Rx::Payload {
+                target: Target::Recv(r),
+                ..
+            } = &mut peer.rx
+            {
+                if hit(r.id) {
+                    r.buf = scratch(&r.buf);
+                    r.cell.complete(Err(withdrawn(r.op)), None);
+                }
+            }
+            for o in peer.out.iter_mut().filter(|o| o.send_id.is_some_and(hit)) {
+                if let Some(b) = &o.payload {
+                    o.payload = Some(owned(b));
+                }
+            }
+        }
+        for (_, s) in self.sends.iter_mut().filter(|(id, _)| hit(**id)) {
+            if let Some(b) = &s.buf {
+                s.buf = Some(owned(b));
+            }
+        }
+    }
+
     /// One sweep over every live peer. Returns whether anything moved.
     ///
     /// With `flush_replies` false, control frames produced while reading (Ack, Cts) stay queued
@@ -1390,6 +1434,19 @@ impl Engine {
     pub(crate) fn abort(&self, reason: &str) {
         self.sh.lock().abort_all(reason);
         self.sh.poke();
+    }
+
+    /// Makes the engine let go of the buffers of operations `ids` (views of memory it does not
+    /// own): queued or half-written sends get an owned copy of their data, receives not yet
+    /// started are withdrawn, and receives under way continue into owned scratch memory (their
+    /// data is discarded). Unfinished receives among them fail. Afterwards nothing in the engine
+    /// points into the caller's memory.
+    pub(crate) fn reclaim(&self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut st = self.sh.lock();
+        st.reclaim(ids);
     }
 
     /// Largest message sent without the receiver-ready handshake.

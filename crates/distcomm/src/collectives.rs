@@ -233,7 +233,12 @@ impl Inner {
                 ids: Vec::new(),
                 works: Vec::new(),
             };
-            for step in round {
+            // Receives first, so that what the peers send finds its buffer posted.
+            let recv_first = round
+                .iter()
+                .filter(|s| matches!(s, Step::Recv { .. }))
+                .chain(round.iter().filter(|s| matches!(s, Step::Send { .. })));
+            for step in recv_first {
                 match step {
                     Step::Recv {
                         peer,

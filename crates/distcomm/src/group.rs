@@ -345,7 +345,11 @@ impl Inner {
         let (id, cell) = self
             .engine
             .isend(op, buf, dtype, g, self.ctx + ctx, tag, fp);
-        Ok(Work::new(cell, self.driver(), id, op, Some(dst), self.timeout).with_map(self.map()))
+        Ok(
+            Work::new(cell, self.driver(), id, op, Some(dst), self.timeout)
+                .with_map(self.map())
+                .detach_on_drop(),
+        )
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -258,6 +258,8 @@ pub struct Work<B> {
     default_timeout: Duration,
     /// Translates a global peer rank in the status into a group rank.
     map: Option<Arc<Vec<usize>>>,
+    /// Whether dropping it pending should withdraw it (receives); sends just detach.
+    withdraw_on_drop: bool,
     _buf: PhantomData<fn() -> B>,
 }
 
@@ -278,6 +280,7 @@ impl<B: 'static> Work<B> {
             peer,
             default_timeout,
             map: None,
+            withdraw_on_drop: true,
             _buf: PhantomData,
         }
     }
@@ -285,6 +288,12 @@ impl<B: 'static> Work<B> {
     /// The engine's id of the operation.
     pub(crate) fn id(&self) -> u64 {
         self.op_id
+    }
+
+    /// Marks a send: dropping it pending lets it finish in the background.
+    pub(crate) fn detach_on_drop(mut self) -> Self {
+        self.withdraw_on_drop = false;
+        self
     }
 
     pub(crate) fn with_map(mut self, map: Option<Arc<Vec<usize>>>) -> Self {
@@ -366,7 +375,7 @@ impl<B: 'static> Work<B> {
 
 impl<B> Drop for Work<B> {
     fn drop(&mut self) {
-        if !self.cell.is_done() {
+        if self.withdraw_on_drop && !self.cell.is_done() {
             self.driver.cancel(self.op_id);
         }
     }

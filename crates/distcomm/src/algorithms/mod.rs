@@ -292,6 +292,12 @@ pub fn direct_all_to_all(
 /// neither each other nor any range the round sends from its output. Only then may an executor
 /// let transfers touch the buffer in place, concurrently.
 pub fn disjoint_in_place(round: &[Step]) -> bool {
+    if !round
+        .iter()
+        .any(|s| matches!(s, Step::Recv { reduce: false, .. }))
+    {
+        return true;
+    }
     let mut written: Vec<&Range<usize>> = Vec::new();
     let mut read: Vec<&Range<usize>> = Vec::new();
     for st in round {

@@ -559,3 +559,36 @@ fn comms_log_counts_ops_and_keeps_async_async() {
         },
     );
 }
+
+#[test]
+fn a_rank_dying_mid_collective_fails_the_others_promptly() {
+    run(
+        "a_rank_dying_mid_collective_fails_the_others_promptly",
+        &[3, 4],
+        |g| {
+            let (n, r) = (g.size(), g.rank());
+            // Warm up: everyone connected and in step.
+            let mut x = vec![1f32; 1000];
+            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            if r == n - 1 {
+                // Vanish in the middle of a large collective.
+                let _w = g
+                    .all_reduce_async(vec![1f32; 4 << 20], ReduceOp::Sum)
+                    .unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::process::exit(0);
+            }
+            let t = std::time::Instant::now();
+            let mut big = vec![1f32; 4 << 20];
+            match g.all_reduce(&mut big, ReduceOp::Sum) {
+                Err(Error::PeerLost { .. }) | Err(Error::Aborted { .. }) => {}
+                other => panic!("rank {r}: expected a failure, got {other:?}"),
+            }
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "took {:?}",
+                t.elapsed()
+            );
+        },
+    );
+}

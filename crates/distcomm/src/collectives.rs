@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::frame::Fingerprint;
+use crate::transport::tcp::Envelope;
 use crate::work::{block, Driver, OpCell, RawView, Work};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,15 +196,15 @@ impl Inner {
         if let Err(e) = &result {
             // Let every member know, so that none waits for us until its deadline.
             let desync = matches!(e, Error::Desync { .. });
-            self.engine.cancel_collective(
-                self.ctx + CTX_COLL,
+            let env = Envelope {
+                op: call.kind.name(),
+                dtype: T::DTYPE,
+                ctx: self.ctx + CTX_COLL,
                 tag,
-                call.fingerprint(),
-                T::DTYPE,
-                desync,
-                &self.members,
-                e.clone(),
-            );
+                fp: call.fingerprint(),
+            };
+            self.engine
+                .cancel_collective(env, desync, &self.members, e.clone());
         }
         result
     }
@@ -221,6 +222,13 @@ impl Inner {
         let name = call.kind.name();
         let op = call.op.unwrap_or(ReduceOp::Sum);
         let eager_max = self.engine.eager_max();
+        let env = Envelope {
+            op: name,
+            dtype: T::DTYPE,
+            ctx: CTX_COLL,
+            tag,
+            fp,
+        };
         for round in sched {
             let mut recvs = Vec::new();
             let mut sends = Vec::new();
@@ -252,15 +260,7 @@ impl Inner {
                         // until the round ends (ranges are disjoint: `in_place`), and the guard
                         // reclaims the view before the round returns, on every path.
                         let view = unsafe { RawView::of_mut(bytemuck::cast_slice_mut(dst)) };
-                        let w: Work<()> = self.post_recv(
-                            name,
-                            Box::new(view),
-                            T::DTYPE,
-                            Some(*peer),
-                            CTX_COLL,
-                            tag,
-                            fp,
-                        )?;
+                        let w: Work<()> = self.post_recv(env, Box::new(view), Some(*peer))?;
                         direct.ids.push(w.id());
                         direct.works.push(w);
                     }
@@ -271,15 +271,7 @@ impl Inner {
                     } => {
                         let mut buf: Vec<T> = self.pool.take();
                         buf.resize(range.len(), T::zeroed());
-                        let w: Work<Vec<T>> = self.post_recv(
-                            name,
-                            Box::new(buf),
-                            T::DTYPE,
-                            Some(*peer),
-                            CTX_COLL,
-                            tag,
-                            fp,
-                        )?;
+                        let w: Work<Vec<T>> = self.post_recv(env, Box::new(buf), Some(*peer))?;
                         recvs.push((w, range.clone(), *reduce));
                     }
                     Step::Send { peer, space, range } => {
@@ -291,30 +283,14 @@ impl Inner {
                         if in_place && size_of_val(src) > eager_max {
                             // SAFETY: as for receives above; sends only read the range.
                             let view = unsafe { RawView::of(bytemuck::cast_slice(src)) };
-                            let w: Work<()> = self.post_send(
-                                name,
-                                Box::new(view),
-                                T::DTYPE,
-                                *peer,
-                                CTX_COLL,
-                                tag,
-                                fp,
-                            )?;
+                            let w: Work<()> = self.post_send(env, Box::new(view), *peer)?;
                             direct.ids.push(w.id());
                             direct.works.push(w);
                             continue;
                         }
                         let mut buf: Vec<T> = self.pool.take();
                         buf.extend_from_slice(src);
-                        let w: Work<Vec<T>> = self.post_send(
-                            name,
-                            Box::new(buf),
-                            T::DTYPE,
-                            *peer,
-                            CTX_COLL,
-                            tag,
-                            fp,
-                        )?;
+                        let w: Work<Vec<T>> = self.post_send(env, Box::new(buf), *peer)?;
                         // A small send completes when the receiver acknowledges it, one more
                         // one-way trip: do not wait for that. It finishes in the background;
                         // a receiver that refuses it cancels the collective on every rank.

@@ -10,7 +10,7 @@ use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::transport::frame::Fingerprint;
-use crate::transport::tcp::{Engine, EngineConfig};
+use crate::transport::tcp::{Engine, EngineConfig, Envelope};
 use crate::transport::{advertise_ip, connect_mesh};
 use crate::work::{BoxBuf, Driver, Status, Work};
 
@@ -330,39 +330,34 @@ impl Inner {
         self.engine.clone()
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Posts a send to group rank `dst`; `env.ctx` is relative to the group's contexts.
     pub(crate) fn post_send<B: 'static>(
         &self,
-        op: &'static str,
+        env: Envelope,
         buf: BoxBuf,
-        dtype: DType,
         dst: usize,
-        ctx: u32,
-        tag: u32,
-        fp: Fingerprint,
     ) -> Result<Work<B>> {
-        let g = self.global(op, dst)?;
-        let (id, cell) = self
-            .engine
-            .isend(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        let g = self.global(env.op, dst)?;
+        let env = Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        };
+        let (id, cell) = self.engine.isend(env, buf, g);
         Ok(
-            Work::new(cell, self.driver(), id, op, Some(dst), self.timeout)
+            Work::new(cell, self.driver(), id, env.op, Some(dst), self.timeout)
                 .with_map(self.map())
                 .detach_on_drop(),
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Posts a receive from group rank `src` (`None`: any source, world group only).
     pub(crate) fn post_recv<B: 'static>(
         &self,
-        op: &'static str,
+        env: Envelope,
         buf: BoxBuf,
-        dtype: DType,
         src: Option<usize>,
-        ctx: u32,
-        tag: u32,
-        fp: Fingerprint,
     ) -> Result<Work<B>> {
+        let op = env.op;
         let g = match src {
             Some(s) => Some(self.global(op, s)?),
             None if self.ctx == 0 => None,
@@ -374,9 +369,11 @@ impl Inner {
                 })
             }
         };
-        let (id, cell) = self
-            .engine
-            .irecv(op, buf, dtype, g, self.ctx + ctx, tag, fp);
+        let env = Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        };
+        let (id, cell) = self.engine.irecv(env, buf, g);
         Ok(Work::new(cell, self.driver(), id, op, src, self.timeout).with_map(self.map()))
     }
 }
@@ -504,9 +501,7 @@ impl ProcessGroup {
         tag: u32,
     ) -> Result<Work<B>> {
         self.check_tag(op, tag)?;
-        let none = Fingerprint::NONE;
-        self.inner
-            .post_send(op, buf, dtype, dst, CTX_USER, tag, none)
+        self.inner.post_send(user(op, dtype, tag), buf, dst)
     }
 
     /// A user point-to-point receive (`src` `None`: any source).
@@ -519,9 +514,7 @@ impl ProcessGroup {
         tag: u32,
     ) -> Result<Work<B>> {
         self.check_tag(op, tag)?;
-        let none = Fingerprint::NONE;
-        self.inner
-            .post_recv(op, buf, dtype, src, CTX_USER, tag, none)
+        self.inner.post_recv(user(op, dtype, tag), buf, src)
     }
 
     /// Starts sending `buf` to `dst`; returns at once. The buffer comes back from
@@ -597,24 +590,17 @@ impl ProcessGroup {
         while dist < n {
             let to = (me + dist) % n;
             let from = (me + n - dist) % n;
-            let mut r: Work<Vec<u8>> = self.inner.post_recv(
-                "barrier",
-                Box::new(Vec::<u8>::new()),
-                DType::U8,
-                Some(from),
-                CTX_BARRIER,
-                round,
-                Fingerprint::NONE,
-            )?;
-            let mut s: Work<Vec<u8>> = self.inner.post_send(
-                "barrier",
-                Box::new(Vec::<u8>::new()),
-                DType::U8,
-                to,
-                CTX_BARRIER,
-                round,
-                Fingerprint::NONE,
-            )?;
+            let env = Envelope {
+                op: "barrier",
+                dtype: DType::U8,
+                ctx: CTX_BARRIER,
+                tag: round,
+                fp: Fingerprint::NONE,
+            };
+            let mut r: Work<Vec<u8>> =
+                self.inner
+                    .post_recv(env, Box::new(Vec::<u8>::new()), Some(from))?;
+            let mut s: Work<Vec<u8>> = self.inner.post_send(env, Box::new(Vec::<u8>::new()), to)?;
             r.wait()?;
             s.wait()?;
             dist *= 2;
@@ -633,6 +619,17 @@ impl ProcessGroup {
     pub fn peer_failure(&self, peer: usize) -> Option<String> {
         let g = self.global_rank(peer)?;
         self.inner.engine.peer_failure(g)
+    }
+}
+
+/// The envelope of a user point-to-point message.
+fn user(op: &'static str, dtype: DType, tag: u32) -> Envelope {
+    Envelope {
+        op,
+        dtype,
+        ctx: CTX_USER,
+        tag,
+        fp: Fingerprint::NONE,
     }
 }
 

@@ -39,6 +39,19 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::{block, BoxBuf, Driver, OpCell, Status};
 
+/// Everything about a posted operation except its buffer and its peer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Envelope {
+    /// The API operation, for errors.
+    pub op: &'static str,
+    pub dtype: DType,
+    /// Communication context (group and kind of traffic).
+    pub ctx: u32,
+    pub tag: u32,
+    /// Collective fingerprint ([`Fingerprint::NONE`] for point-to-point).
+    pub fp: Fingerprint,
+}
+
 /// Tuning of the engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -1261,17 +1274,14 @@ impl Engine {
     }
 
     /// Posts a send. The buffer is owned by the engine until the returned cell completes.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn isend(
-        &self,
-        op: &'static str,
-        buf: BoxBuf,
-        dtype: DType,
-        dst: usize,
-        ctx: u32,
-        tag: u32,
-        fp: Fingerprint,
-    ) -> (u64, Arc<OpCell>) {
+    pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
+        let Envelope {
+            op,
+            dtype,
+            ctx,
+            tag,
+            fp,
+        } = env;
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
         let id = st.alloc_id();
@@ -1351,17 +1361,19 @@ impl Engine {
     }
 
     /// Posts a receive from `src` (`None`: any source).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn irecv(
         &self,
-        op: &'static str,
+        env: Envelope,
         buf: BoxBuf,
-        dtype: DType,
         src: Option<usize>,
-        ctx: u32,
-        tag: u32,
-        fp: Fingerprint,
     ) -> (u64, Arc<OpCell>) {
+        let Envelope {
+            op,
+            dtype,
+            ctx,
+            tag,
+            fp,
+        } = env;
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
         let id = st.alloc_id();
@@ -1394,17 +1406,20 @@ impl Engine {
 
     /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
     /// operations of it fail too instead of waiting for us; refuses its later messages here.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn cancel_collective(
         &self,
-        ctx: u32,
-        tag: u32,
-        fp: Fingerprint,
-        dtype: DType,
+        env: Envelope,
         desync: bool,
         peers: &[usize],
         err: Error,
     ) {
+        let Envelope {
+            dtype,
+            ctx,
+            tag,
+            fp,
+            ..
+        } = env;
         let mut st = self.sh.lock();
         st.cancelled.entry((ctx, tag)).or_insert(err);
         let hdr = Header {

@@ -408,3 +408,61 @@ fn abort_fails_pending_work() {
         ));
     });
 }
+
+#[test]
+fn a_stopped_peer_times_out_without_closing_anything() {
+    run(
+        "a_stopped_peer_times_out_without_closing_anything",
+        &[3],
+        |g| {
+            match g.rank() {
+                1 => {
+                    g.send(&[std::process::id() as i64], 0, 1).unwrap();
+                    // Stopped by rank 0 here; once continued, answer and finish.
+                    let mut go = [0u8];
+                    g.recv(&mut go, 0, 9).unwrap();
+                    g.send(&[42i32], 0, 5).unwrap();
+                }
+                0 => {
+                    let mut pid = [0i64];
+                    g.recv(&mut pid, 1, 1).unwrap();
+                    let signal = |sig: libc::c_int| {
+                        // SAFETY: kill(2) on the pid rank 1 just reported; no memory is involved.
+                        let rc = unsafe { libc::kill(pid[0] as libc::pid_t, sig) };
+                        assert_eq!(rc, 0, "kill({sig})");
+                    };
+                    signal(libc::SIGSTOP);
+                    let mut reply = g.irecv(vec![0i32; 1], 1, 5).unwrap();
+                    let t = Instant::now();
+                    match reply.wait_timeout(Duration::from_millis(300)) {
+                        Err(Error::Timeout {
+                            peer: Some(1),
+                            rank: 0,
+                            ..
+                        }) => {}
+                        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+                    }
+                    assert!(t.elapsed() < Duration::from_secs(2));
+                    assert!(
+                        g.peer_failure(1).is_none(),
+                        "a timeout must not close the connection"
+                    );
+                    // Unrelated traffic is unaffected.
+                    let mut r2 = g.irecv(vec![0u8; 2], 2, 7).unwrap();
+                    g.send(&[5u8, 6], 2, 7).unwrap();
+                    assert_eq!(r2.wait().unwrap().bytes, 2);
+                    signal(libc::SIGCONT);
+                    g.send(&[1u8], 1, 9).unwrap();
+                    // The receive that timed out is still posted and now completes.
+                    reply.wait().unwrap();
+                    assert_eq!(reply.into_buffer().unwrap(), vec![42]);
+                }
+                _ => {
+                    let r = g.irecv(vec![0u8; 2], 0, 7).unwrap();
+                    g.send(&[1u8, 2], 0, 7).unwrap();
+                    assert_eq!(r.into_buffer().unwrap(), vec![5, 6]);
+                }
+            }
+        },
+    );
+}

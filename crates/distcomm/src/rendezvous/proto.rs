@@ -99,3 +99,117 @@ pub fn send(w: &mut impl Write, buf: &[u8]) -> io::Result<()> {
     w.write_all(buf)?;
     w.flush()
 }
+
+/// One client request, decoded. Decoding is separate from serving so that it can be tested and
+/// fuzzed on its own; every length is bounded before allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    Validate(u32),
+    Set(String, Vec<u8>),
+    CompareSet(String, Vec<u8>, Vec<u8>),
+    Get(String),
+    Add(String, i64),
+    Check(Vec<String>),
+    Wait(Vec<String>),
+    GetNumKeys,
+    DeleteKey(String),
+    Append(String, Vec<u8>),
+    MultiGet(Vec<String>),
+    MultiSet(Vec<(String, Vec<u8>)>),
+    CancelWait,
+    Ping(u32),
+    QueuePush(String, Vec<u8>),
+    QueuePop(String),
+    QueueLen(String),
+}
+
+fn read_keys(r: &mut impl Read) -> io::Result<Vec<String>> {
+    let n = read_count(r)?;
+    (0..n).map(|_| read_key(r)).collect()
+}
+
+impl Command {
+    /// Reads one command (its opcode byte first).
+    pub fn read(r: &mut impl Read) -> io::Result<Command> {
+        Ok(match read_u8(r)? {
+            VALIDATE => Command::Validate(read_u32(r)?),
+            SET => Command::Set(read_key(r)?, read_bytes(r, MAX_VALUE)?),
+            COMPARE_SET => Command::CompareSet(
+                read_key(r)?,
+                read_bytes(r, MAX_VALUE)?,
+                read_bytes(r, MAX_VALUE)?,
+            ),
+            GET => Command::Get(read_key(r)?),
+            ADD => Command::Add(read_key(r)?, read_i64(r)?),
+            CHECK => Command::Check(read_keys(r)?),
+            WAIT => Command::Wait(read_keys(r)?),
+            GETNUMKEYS => Command::GetNumKeys,
+            DELETE_KEY => Command::DeleteKey(read_key(r)?),
+            APPEND => Command::Append(read_key(r)?, read_bytes(r, MAX_VALUE)?),
+            MULTI_GET => Command::MultiGet(read_keys(r)?),
+            MULTI_SET => {
+                let n = read_count(r)?;
+                let mut pairs = Vec::new();
+                for _ in 0..n {
+                    pairs.push((read_key(r)?, read_bytes(r, MAX_VALUE)?));
+                }
+                Command::MultiSet(pairs)
+            }
+            CANCEL_WAIT => Command::CancelWait,
+            PING => Command::Ping(read_u32(r)?),
+            QUEUE_PUSH => Command::QueuePush(read_key(r)?, read_bytes(r, MAX_VALUE)?),
+            QUEUE_POP => Command::QueuePop(read_key(r)?),
+            QUEUE_LEN => Command::QueueLen(read_key(r)?),
+            other => return Err(invalid(format!("unknown command {other}"))),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn decodes_what_clients_send() {
+        let mut m = vec![SET];
+        put_bytes(&mut m, b"key");
+        put_bytes(&mut m, b"value");
+        m.push(ADD);
+        put_bytes(&mut m, b"n");
+        m.extend_from_slice(&(-3i64).to_le_bytes());
+        m.push(WAIT);
+        m.extend_from_slice(&2u64.to_le_bytes());
+        put_bytes(&mut m, b"a");
+        put_bytes(&mut m, b"b");
+        let mut r = &m[..];
+        assert_eq!(
+            Command::read(&mut r).unwrap(),
+            Command::Set("key".into(), b"value".to_vec())
+        );
+        assert_eq!(Command::read(&mut r).unwrap(), Command::Add("n".into(), -3));
+        assert_eq!(
+            Command::read(&mut r).unwrap(),
+            Command::Wait(vec!["a".into(), "b".into()])
+        );
+        assert!(Command::read(&mut r).is_err());
+    }
+
+    #[test]
+    fn huge_lengths_are_refused_before_allocating() {
+        let mut m = vec![SET];
+        m.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(Command::read(&mut &m[..]).is_err());
+        let mut m = vec![MULTI_GET];
+        m.extend_from_slice(&(MAX_KEY_COUNT + 1).to_le_bytes());
+        assert!(Command::read(&mut &m[..]).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut r = &bytes[..];
+            while Command::read(&mut r).is_ok() {}
+        }
+    }
+}

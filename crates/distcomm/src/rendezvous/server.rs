@@ -1,5 +1,5 @@
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -165,29 +165,23 @@ fn readable(stream: &TcpStream) -> bool {
 fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
     let mut w = stream;
     let mut r = BufReader::new(stream);
-    if proto::read_u8(&mut r)? != VALIDATE || proto::read_u32(&mut r)? != MAGIC {
+    // Refuse on the first byte: a stranger's other command could keep us waiting for its body.
+    if r.fill_buf()?.first() != Some(&VALIDATE)
+        || Command::read(&mut r)? != Command::Validate(MAGIC)
+    {
         return Err(bad("connection did not validate"));
     }
     loop {
-        let cmd = proto::read_u8(&mut r)?;
         let mut out = Vec::new();
-        match cmd {
-            VALIDATE => {
-                if proto::read_u32(&mut r)? != MAGIC {
-                    return Err(bad("bad magic"));
-                }
-            }
-            PING => out.extend_from_slice(&proto::read_u32(&mut r)?.to_le_bytes()),
-            SET => {
-                let k = read_key(&mut r)?;
-                let v = read_bytes(&mut r, MAX_VALUE)?;
+        match Command::read(&mut r)? {
+            Command::Validate(m) if m == MAGIC => {}
+            Command::Validate(_) => return Err(bad("bad magic")),
+            Command::Ping(nonce) => out.extend_from_slice(&nonce.to_le_bytes()),
+            Command::Set(k, v) => {
                 sh.lock().map.insert(k, v);
                 sh.changed.notify_all();
             }
-            COMPARE_SET => {
-                let k = read_key(&mut r)?;
-                let expected = read_bytes(&mut r, MAX_VALUE)?;
-                let desired = read_bytes(&mut r, MAX_VALUE)?;
+            Command::CompareSet(k, expected, desired) => {
                 let mut d = sh.lock();
                 let now = match d.map.get(&k) {
                     None if expected.is_empty() => {
@@ -205,14 +199,11 @@ fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
                 sh.changed.notify_all();
                 put_bytes(&mut out, &now);
             }
-            GET => {
-                let k = read_key(&mut r)?;
+            Command::Get(k) => {
                 let d = sh.lock();
                 put_bytes(&mut out, d.map.get(&k).map(|v| v.as_slice()).unwrap_or(&[]));
             }
-            ADD => {
-                let k = read_key(&mut r)?;
-                let delta = proto::read_i64(&mut r)?;
+            Command::Add(k, delta) => {
                 let mut d = sh.lock();
                 let cur = match d.map.get(&k) {
                     None => 0,
@@ -227,32 +218,25 @@ fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
                 sh.changed.notify_all();
                 out.extend_from_slice(&new.to_le_bytes());
             }
-            CHECK => {
-                let keys = read_keys(&mut r)?;
-                out.push(if sh.lock().ready(&keys) {
-                    CHECK_READY
-                } else {
-                    CHECK_NOT_READY
-                });
+            Command::Check(keys) => out.push(if sh.lock().ready(&keys) {
+                CHECK_READY
+            } else {
+                CHECK_NOT_READY
+            }),
+            Command::Wait(keys) => out.push(if wait_keys(sh, &keys, &mut r)? {
+                STOP_WAITING
+            } else {
+                WAIT_CANCELED
+            }),
+            Command::CancelWait => out.push(WAIT_CANCELED),
+            Command::GetNumKeys => {
+                out.extend_from_slice(&(sh.lock().map.len() as i64).to_le_bytes())
             }
-            WAIT => {
-                let keys = read_keys(&mut r)?;
-                if wait_keys(sh, &keys, &mut r)? {
-                    out.push(STOP_WAITING);
-                } else {
-                    out.push(WAIT_CANCELED);
-                }
-            }
-            CANCEL_WAIT => out.push(WAIT_CANCELED),
-            GETNUMKEYS => out.extend_from_slice(&(sh.lock().map.len() as i64).to_le_bytes()),
-            DELETE_KEY => {
-                let k = read_key(&mut r)?;
+            Command::DeleteKey(k) => {
                 let n = i64::from(sh.lock().map.remove(&k).is_some());
                 out.extend_from_slice(&n.to_le_bytes());
             }
-            APPEND => {
-                let k = read_key(&mut r)?;
-                let v = read_bytes(&mut r, MAX_VALUE)?;
+            Command::Append(k, v) => {
                 let mut d = sh.lock();
                 let entry = d.map.entry(k).or_default();
                 if entry.len() as u64 + v.len() as u64 > MAX_VALUE {
@@ -262,30 +246,21 @@ fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
                 drop(d);
                 sh.changed.notify_all();
             }
-            MULTI_GET => {
-                let keys = read_keys(&mut r)?;
+            Command::MultiGet(keys) => {
                 let d = sh.lock();
                 for k in keys {
                     put_bytes(&mut out, d.map.get(&k).map(|v| v.as_slice()).unwrap_or(&[]));
                 }
             }
-            MULTI_SET => {
-                let n = proto::read_count(&mut r)?;
-                let mut pairs = Vec::new();
-                for _ in 0..n {
-                    pairs.push((read_key(&mut r)?, read_bytes(&mut r, MAX_VALUE)?));
-                }
+            Command::MultiSet(pairs) => {
                 sh.lock().map.extend(pairs);
                 sh.changed.notify_all();
             }
-            QUEUE_PUSH => {
-                let k = read_key(&mut r)?;
-                let v = read_bytes(&mut r, MAX_VALUE)?;
+            Command::QueuePush(k, v) => {
                 sh.lock().queues.entry(k).or_default().push_back(v);
                 sh.changed.notify_all();
             }
-            QUEUE_POP => {
-                let k = read_key(&mut r)?;
+            Command::QueuePop(k) => {
                 let mut d = sh.lock();
                 let q = d.queues.entry(k).or_default();
                 out.extend_from_slice(&(q.len() as i64).to_le_bytes());
@@ -293,22 +268,15 @@ fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
                     put_bytes(&mut out, &v);
                 }
             }
-            QUEUE_LEN => {
-                let k = read_key(&mut r)?;
+            Command::QueueLen(k) => {
                 let n = sh.lock().queues.get(&k).map_or(0, |q| q.len());
                 out.extend_from_slice(&(n as i64).to_le_bytes());
             }
-            _ => return Err(bad("unknown command")),
         }
         if !out.is_empty() {
             w.write_all(&out)?;
         }
     }
-}
-
-fn read_keys(r: &mut BufReader<&TcpStream>) -> io::Result<Vec<String>> {
-    let n = proto::read_count(r)?;
-    (0..n).map(|_| read_key(r)).collect()
 }
 
 /// Blocks until `keys` exist (true) or the client sends CANCEL_WAIT (false).

@@ -11,7 +11,7 @@
 
 mod client;
 mod prefix;
-pub(crate) mod proto;
+pub mod proto;
 mod server;
 
 pub use client::TcpStore;

@@ -466,3 +466,72 @@ fn a_stopped_peer_times_out_without_closing_anything() {
         },
     );
 }
+
+#[test]
+fn killed_rank_fails_every_dependent_operation_and_spares_the_rest() {
+    run(
+        "killed_rank_fails_every_dependent_operation_and_spares_the_rest",
+        &[4],
+        |g| {
+            let r = g.rank();
+            let victim = 3;
+            let mut warm = [1f32];
+            g.all_reduce(&mut warm, distcomm::ReduceOp::Sum).unwrap();
+            if r == victim {
+                // Streams towards everyone, then vanish, before joining the collective the others
+                // have in flight, without any cleanup (no destructor runs: to the peers this is a
+                // kill -9).
+                let _sends: Vec<_> = (0..3)
+                    .map(|p| g.isend(vec![7u8; 1 << 20], p, 1).unwrap())
+                    .collect();
+                std::thread::sleep(Duration::from_millis(50));
+                std::process::exit(0);
+            }
+            // Survivors: receive streams from the victim (more than it will send), send to it,
+            // and join the collective.
+            let t = Instant::now();
+            let mut pending: Vec<Work<Vec<u8>>> = (0..4)
+                .map(|_| g.irecv(vec![0u8; 1 << 20], victim, 1).unwrap())
+                .collect();
+            pending.push(g.isend(vec![1u8; 4 << 20], victim, 2).unwrap());
+            let coll = g
+                .all_reduce_async(vec![1f32; 1 << 20], distcomm::ReduceOp::Sum)
+                .unwrap();
+            let mut lost = 0;
+            for mut w in pending {
+                match w.wait() {
+                    Ok(_) => {}
+                    Err(Error::PeerLost { peer, .. }) => {
+                        assert_eq!(peer, victim);
+                        lost += 1;
+                    }
+                    Err(e) => panic!("rank {r}: unexpected {e}"),
+                }
+            }
+            let coll = coll.into_buffer();
+            assert!(
+                coll.is_err(),
+                "the collective cannot succeed without rank {victim}"
+            );
+            let took = t.elapsed();
+            assert!(lost >= 2, "rank {r}: only {lost} operations saw the loss");
+            assert!(
+                took < Duration::from_secs(2),
+                "rank {r}: detection took {took:?}"
+            );
+            println!("rank {r}: {lost} operations failed with PeerLost(rank {victim}), collective failed, in {took:?} from posting (victim died ~50 ms in)");
+            // The survivors still talk, point-to-point and in a new group.
+            let (next, prev) = ((r + 1) % 3, (r + 2) % 3);
+            let mut rr = g.irecv(vec![0u16 as u8; 1], prev, 3).unwrap();
+            g.send(&[r as u8], next, 3).unwrap();
+            rr.wait().unwrap();
+            assert_eq!(rr.into_buffer().unwrap(), vec![prev as u8]);
+            let survivors = g.new_group(&[0, 1, 2]).unwrap().unwrap();
+            let mut x = [1i32];
+            survivors
+                .all_reduce(&mut x, distcomm::ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(x[0], 3);
+        },
+    );
+}

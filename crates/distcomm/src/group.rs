@@ -555,29 +555,50 @@ impl ProcessGroup {
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
-    /// to avoid the copy).
+    /// to avoid the copy). Bounded by the group's timeout.
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
-        let mut w: Work<Vec<T>> =
-            self.user_send("send", Box::new(data.to_vec()), T::DTYPE, dst, tag)?;
-        w.wait().map(|_| ())
+        self.send_timeout(data, dst, tag, self.timeout())
     }
 
-    /// Blocking receive into a slice; returns the source and byte count.
+    /// [`send`](Self::send) with its own deadline. On timeout the message is not withdrawn: it
+    /// is delivered if the receiver still takes it.
+    pub fn send_timeout<T: Element>(
+        &self,
+        data: &[T],
+        dst: usize,
+        tag: u32,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut w: Work<Vec<T>> =
+            self.user_send("send", Box::new(data.to_vec()), T::DTYPE, dst, tag)?;
+        w.wait_timeout(timeout).map(|_| ())
+    }
+
+    /// Blocking receive into a slice; returns the source and byte count. Bounded by the group's
+    /// timeout.
     pub fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<Status> {
+        self.recv_timeout(out, src, tag, self.timeout())
+    }
+
+    /// [`recv`](Self::recv) with its own deadline. On timeout the receive is withdrawn (a
+    /// message that had already begun to arrive is taken and discarded) and `out` is untouched.
+    pub fn recv_timeout<T: Element>(
+        &self,
+        out: &mut [T],
+        src: usize,
+        tag: u32,
+        timeout: Duration,
+    ) -> Result<Status> {
         let buf = vec![T::zeroed(); out.len()];
-        finish_recv(
-            self.user_recv("recv", Box::new(buf), T::DTYPE, Some(src), tag)?,
-            out,
-        )
+        let w = self.user_recv("recv", Box::new(buf), T::DTYPE, Some(src), tag)?;
+        finish_recv(w, out, timeout)
     }
 
     /// Blocking receive from any source (world group only).
     pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
         let buf = vec![T::zeroed(); out.len()];
-        finish_recv(
-            self.user_recv("recv", Box::new(buf), T::DTYPE, None, tag)?,
-            out,
-        )
+        let w = self.user_recv("recv", Box::new(buf), T::DTYPE, None, tag)?;
+        finish_recv(w, out, self.timeout())
     }
 
     /// Blocks until every rank of the group has entered the barrier (dissemination algorithm,
@@ -633,8 +654,12 @@ fn user(op: &'static str, dtype: DType, tag: u32) -> Envelope {
     }
 }
 
-fn finish_recv<T: Element>(mut w: Work<Vec<T>>, out: &mut [T]) -> Result<Status> {
-    let status = w.wait()?;
+fn finish_recv<T: Element>(
+    mut w: Work<Vec<T>>,
+    out: &mut [T],
+    timeout: Duration,
+) -> Result<Status> {
+    let status = w.wait_timeout(timeout)?;
     let buf = w.into_buffer()?;
     let n = status.bytes / std::mem::size_of::<T>().max(1);
     out[..n].copy_from_slice(&buf[..n]);

@@ -535,3 +535,31 @@ fn killed_rank_fails_every_dependent_operation_and_spares_the_rest() {
         },
     );
 }
+
+#[test]
+fn blocking_calls_take_a_per_call_deadline() {
+    run("blocking_calls_take_a_per_call_deadline", &[2], |g| {
+        let peer = 1 - g.rank();
+        let mut out = [9u8; 4];
+        let t = Instant::now();
+        match g.recv_timeout(&mut out, peer, 11, Duration::from_millis(150)) {
+            Err(Error::Timeout { peer: Some(p), .. }) => assert_eq!(p, peer),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(t.elapsed() >= Duration::from_millis(150) && t.elapsed() < Duration::from_secs(2));
+        assert_eq!(
+            out, [9u8; 4],
+            "a timed-out receive leaves the buffer untouched"
+        );
+        g.barrier().unwrap();
+        // The withdrawn receive does not swallow a later message.
+        if g.rank() == 0 {
+            g.send_timeout(&[1u8, 2, 3, 4], peer, 11, Duration::from_secs(5))
+                .unwrap();
+        } else {
+            g.recv_timeout(&mut out, peer, 11, Duration::from_secs(5))
+                .unwrap();
+            assert_eq!(out, [1, 2, 3, 4]);
+        }
+    });
+}

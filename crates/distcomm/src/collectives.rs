@@ -203,8 +203,7 @@ impl Inner {
                 tag,
                 fp: call.fingerprint(),
             };
-            self.engine
-                .cancel_collective(env, desync, &self.members, e.clone());
+            self.engine.cancel_collective(env, desync, &self.members);
         }
         result
     }

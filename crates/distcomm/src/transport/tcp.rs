@@ -218,6 +218,42 @@ impl Peer {
     }
 }
 
+/// Why a collective was cancelled.
+#[derive(Clone, Copy)]
+struct Cancel {
+    /// The rank that cancelled it.
+    by: usize,
+    /// Its call.
+    fp: Fingerprint,
+    dtype: DType,
+    /// Whether it found a desync (otherwise another error).
+    desync: bool,
+}
+
+impl Cancel {
+    /// The error an operation (`op`, our call `fp`/`dtype`) of the cancelled collective gets.
+    fn error(&self, rank: usize, op: &'static str, fp: Fingerprint, dtype: DType) -> Error {
+        let theirs = self.fp.describe(self.dtype);
+        match (self.desync, self.by == rank) {
+            (true, false) => Error::Desync {
+                op,
+                rank,
+                peer: self.by,
+                ours: fp.describe(dtype),
+                theirs: format!("{theirs}, which found a mismatch and cancelled"),
+            },
+            _ => Error::Aborted {
+                op,
+                rank,
+                reason: format!(
+                    "rank {} failed collective {theirs} and cancelled it",
+                    self.by
+                ),
+            },
+        }
+    }
+}
+
 struct State {
     rank: usize,
     eager_max: usize,
@@ -230,9 +266,10 @@ struct State {
     rdv: HashMap<(usize, u64), (Posted, u64)>,
     next_id: u64,
     closed: Option<String>,
-    /// Collectives (ctx, tag) cancelled by a peer, with the error every later operation of
+    /// Collectives (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so
+    /// every later operation of it fails with an error that describes its own call.
     /// theirs gets. Grows by one entry per failed collective.
-    cancelled: HashMap<(u32, u32), Error>,
+    cancelled: HashMap<(u32, u32), Cancel>,
 }
 
 fn peer_lost(op: &'static str, rank: usize, peer: usize, reason: &str) -> Error {
@@ -414,8 +451,9 @@ impl State {
             .iter()
             .position(|u| r.matches(u.src, &u.hdr));
         let Some(u) = pos.and_then(|i| self.unexpected.remove(i)) else {
-            if let Some(e) = self.cancelled.get(&(r.ctx, r.tag)) {
-                r.cell.complete(Err(e.clone()), None);
+            if let Some(c) = self.cancelled.get(&(r.ctx, r.tag)) {
+                let e = c.error(self.rank, r.op, r.fp, r.dtype);
+                r.cell.complete(Err(e), None);
                 return;
             }
             if let Some(src) = r.src {
@@ -660,39 +698,24 @@ impl State {
     fn cancel_collective_from(&mut self, p: usize, h: &Header) {
         let key = (h.ctx, h.tag);
         let rank = self.rank;
-        let theirs = h.fp.describe(h.dtype);
-        let err = |op: &'static str, ours: Fingerprint, dtype: DType| {
-            if h.aux == 1 {
-                Error::Desync {
-                    op,
-                    rank,
-                    peer: p,
-                    ours: ours.describe(dtype),
-                    theirs: format!("{theirs}, which found a mismatch and cancelled"),
-                }
-            } else {
-                Error::Aborted {
-                    op,
-                    rank,
-                    reason: format!("rank {p} failed collective {theirs} and cancelled it"),
-                }
-            }
+        let cancel = Cancel {
+            by: p,
+            fp: h.fp,
+            dtype: h.dtype,
+            desync: h.aux == 1,
         };
         let (hit, kept): (VecDeque<Posted>, VecDeque<Posted>) =
             self.posted.drain(..).partition(|r| (r.ctx, r.tag) == key);
         self.posted = kept;
-        let mut first = None;
         for r in hit {
-            let e = err(r.op, r.fp, r.dtype);
-            first.get_or_insert_with(|| e.clone());
-            r.cell.complete(Err(e), None);
+            r.cell
+                .complete(Err(cancel.error(rank, r.op, r.fp, r.dtype)), None);
         }
         // Our sends of it fail now; their entries stay until the peer's reply (which may still
         // come) so that the reply is not mistaken for a protocol violation.
         for s in self.sends.values().filter(|s| (s.ctx, s.tag) == key) {
-            let e = err(s.op, s.fp, s.dtype);
-            first.get_or_insert_with(|| e.clone());
-            s.cell.complete(Err(e), None);
+            s.cell
+                .complete(Err(cancel.error(rank, s.op, s.fp, s.dtype)), None);
         }
         // Messages of it already here will never be received: refuse them.
         let (dropped, kept): (VecDeque<Unexpected>, VecDeque<Unexpected>) = self
@@ -703,8 +726,7 @@ impl State {
         for u in dropped {
             self.refuse_cancelled(u.src, &u.hdr);
         }
-        let e = first.unwrap_or_else(|| err("collective", h.fp, h.dtype));
-        self.cancelled.entry(key).or_insert(e);
+        self.cancelled.entry(key).or_insert(cancel);
     }
 
     fn on_payload_done(&mut self, p: usize, h: Header, target: Target) {
@@ -1406,13 +1428,7 @@ impl Engine {
 
     /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
     /// operations of it fail too instead of waiting for us; refuses its later messages here.
-    pub(crate) fn cancel_collective(
-        &self,
-        env: Envelope,
-        desync: bool,
-        peers: &[usize],
-        err: Error,
-    ) {
+    pub(crate) fn cancel_collective(&self, env: Envelope, desync: bool, peers: &[usize]) {
         let Envelope {
             dtype,
             ctx,
@@ -1421,7 +1437,13 @@ impl Engine {
             ..
         } = env;
         let mut st = self.sh.lock();
-        st.cancelled.entry((ctx, tag)).or_insert(err);
+        let by = self.sh.rank;
+        st.cancelled.entry((ctx, tag)).or_insert(Cancel {
+            by,
+            fp,
+            dtype,
+            desync,
+        });
         let hdr = Header {
             kind: Kind::Cancel,
             dtype,

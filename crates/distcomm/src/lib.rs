@@ -5,8 +5,11 @@
 //! store, a TCP transport with its own progress engine, and a launcher.
 //!
 //! Layers (each knows only the one below):
-//! * [`group`]: the [`ProcessGroup`] API;
-//! * [`transport`]: how bytes move between two ranks (TCP mesh and progress engine);
+//! * [`group`]: the [`ProcessGroup`] API — point-to-point, subgroups — and its collectives
+//!   (blocking and async, desync detection, [`commslog`]);
+//! * [`algorithms`]: collective schedules as pure data, with a simulator; [`reduce`]: kernels;
+//! * [`transport`]: how bytes move between two ranks (TCP mesh, authenticated handshake,
+//!   progress engine);
 //! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
 //! * [`env`]: discovery of rank, world and master from torchrun / mpirun / srun variables;
 //! * [`launch`]: starting local ranks (used by `distcomm launch` and the test harness).

@@ -53,7 +53,7 @@ pub fn advertise_ip(master: &str) -> Result<IpAddr> {
         .ip())
 }
 
-/// Connects every pair of ranks: each rank listens, publishes its address under `key_prefix`,
+/// Connects every pair of ranks: each rank listens, publishes its address in `store`,
 /// connects to every lower rank and accepts every higher one, running the [`handshake`] on each
 /// connection (with `secret`, mutual HMAC authentication). Returns one stream per peer (`None`
 /// at our own rank). Connections that fail the handshake are refused, logged and closed; the

@@ -11,7 +11,7 @@
 //! * [`transport`]: how bytes move between two ranks (TCP mesh, authenticated handshake,
 //!   progress engine);
 //! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
-//! * [`env`]: discovery of rank, world and master from torchrun / mpirun / srun variables;
+//! * [`env`](mod@env): discovery of rank, world and master from torchrun / mpirun / srun variables;
 //! * [`launch`]: starting local ranks (used by `distcomm launch` and the test harness).
 //!
 //! ```no_run

@@ -1,5 +1,5 @@
 //! The connection handshake of the native transports, as pure functions (the I/O is in
-//! [`super::connect_mesh`]).
+//! `connect_mesh`).
 //!
 //! ```text
 //! connector -> acceptor   hello: "DCM2", version, rank, world, auth flag, nonce_c (32 bytes)

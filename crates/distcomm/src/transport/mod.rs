@@ -2,8 +2,8 @@
 //! above them.
 //!
 //! * [`frame`]: the bounded wire header shared by the native transports;
-//! * [`tcp`]: the TCP mesh and its progress engine;
-//! * [`connect_mesh`]: establishing the mesh through the rendezvous store, with the versioned,
+//! * `tcp`: the TCP mesh and its progress engine;
+//! * `connect_mesh`: establishing the mesh through the rendezvous store, with the versioned,
 //!   authenticated [`handshake`] checked before any user buffer is touched.
 
 pub mod frame;

@@ -101,9 +101,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             v
         }
     };
-    let suites: Vec<&str> = match args.suite.as_str() {
+    let suites: Vec<&'static str> = match args.suite.as_str() {
         "all" => SUITES[..SUITES.len() - 1].to_vec(),
-        one => vec![one],
+        one => SUITES.iter().copied().filter(|s| *s == one).collect(),
     };
     if suites.contains(&"p2p") && group.size() < 2 {
         return Err(Error::Config("bench p2p needs at least 2 ranks".into()));

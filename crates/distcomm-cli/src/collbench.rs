@@ -2,34 +2,10 @@
 
 use std::time::Instant;
 
+use distcomm::commslog::bus_factor;
 use distcomm::{Error, ProcessGroup, ReduceOp, Result};
 
 use crate::bench::{record, Record};
-
-/// nccl-tests bus-bandwidth factor of `op` on `n` ranks.
-fn bus_factor(op: &str, n: usize) -> f64 {
-    let n = n as f64;
-    match op {
-        "all_reduce" => 2.0 * (n - 1.0) / n,
-        "broadcast" | "reduce" => 1.0,
-        "barrier" => 0.0,
-        _ => (n - 1.0) / n,
-    }
-}
-
-fn op_name(op: &str) -> &'static str {
-    match op {
-        "all_reduce" => "all_reduce",
-        "broadcast" => "broadcast",
-        "reduce" => "reduce",
-        "all_gather" => "all_gather",
-        "gather" => "gather",
-        "scatter" => "scatter",
-        "reduce_scatter" => "reduce_scatter",
-        "all_to_all" => "all_to_all",
-        _ => "barrier",
-    }
-}
 
 /// Buffers for one op: `S` = `size` bytes is the per-rank buffer of nccl-tests (the full
 /// output for all_gather/gather, the full input for reduce_scatter/scatter/all_to_all).
@@ -119,7 +95,12 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
 }
 
 /// Benchmarks `op` at `size` bytes. Returns the record on rank 0.
-pub fn run_op(g: &ProcessGroup, op: &str, size: usize, check: bool) -> Result<Option<Record>> {
+pub fn run_op(
+    g: &ProcessGroup,
+    op: &'static str,
+    size: usize,
+    check: bool,
+) -> Result<Option<Record>> {
     let mut x = bufs(op, g.size(), size);
     if check {
         verify(g, op, &mut x)?;
@@ -140,13 +121,6 @@ pub fn run_op(g: &ProcessGroup, op: &str, size: usize, check: bool) -> Result<Op
         "barrier" => 0,
         _ => x.a.len() * 4,
     };
-    let rec = record(
-        g,
-        op_name(op),
-        bytes,
-        iters,
-        secs[0],
-        bus_factor(op, g.size()),
-    );
+    let rec = record(g, op, bytes, iters, secs[0], bus_factor(op, g.size()));
     Ok((g.rank() == 0).then_some(rec))
 }

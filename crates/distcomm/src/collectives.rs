@@ -24,7 +24,7 @@ use crate::algorithms::{self as alg, Schedule, Space, Step};
 use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::frame::Fingerprint;
+use crate::transport::frame::{Fingerprint, KIND_NAMES};
 use crate::transport::tcp::Envelope;
 use crate::work::{block, Driver, OpCell, RawView, Work};
 
@@ -41,17 +41,9 @@ enum Kind {
 }
 
 impl Kind {
+    /// The API's name, as the wire's fingerprint vocabulary spells it.
     fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::Broadcast => "broadcast",
-            Kind::Reduce => "reduce",
-            Kind::AllGather => "all_gather",
-            Kind::Gather => "gather",
-            Kind::Scatter => "scatter",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::AllToAll => "all_to_all",
-        }
+        KIND_NAMES[self as usize]
     }
 }
 

@@ -43,11 +43,13 @@ pub(crate) struct CommsLog {
     samples: Mutex<Samples>,
 }
 
-fn bus_factor(op: &str, n: usize) -> f64 {
+/// The nccl-tests bus-bandwidth factor of collective `op` on `n` ranks: busbw = algbw × factor.
+pub fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
         "all_reduce" => 2.0 * (n - 1.0) / n,
         "broadcast" | "reduce" => 1.0,
+        "barrier" => 0.0,
         _ => (n - 1.0) / n,
     }
 }

@@ -267,9 +267,23 @@ struct State {
     next_id: u64,
     closed: Option<String>,
     /// Collectives (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so
-    /// every later operation of it fails with an error that describes its own call.
-    /// theirs gets. Grows by one entry per failed collective.
+    /// every later operation of it fails with an error that describes its own call. Grows by
+    /// one entry per failed collective.
     cancelled: HashMap<(u32, u32), Cancel>,
+}
+
+/// A control frame's header (replies carry no context or tag: `msg_id` names the message).
+fn control(kind: Kind, msg_id: u64, aux: u32, len: u64, dtype: DType, fp: Fingerprint) -> Header {
+    Header {
+        kind,
+        dtype,
+        ctx: 0,
+        tag: 0,
+        aux,
+        msg_id,
+        len,
+        fp,
+    }
 }
 
 fn peer_lost(op: &'static str, rank: usize, peer: usize, reason: &str) -> Error {
@@ -302,32 +316,19 @@ impl State {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn ctrl(
-        &mut self,
-        p: usize,
-        kind: Kind,
-        msg_id: u64,
-        aux: u32,
-        len: u64,
-        dtype: DType,
-        fp: Fingerprint,
-    ) {
-        let hdr = Header {
-            kind,
-            dtype,
-            ctx: 0,
-            tag: 0,
-            aux,
-            msg_id,
-            len,
-            fp,
-        };
+    /// Sends the control frame `hdr` (a reply: Ack, Nack, Cts) to `p`; a reply to ourselves
+    /// (a self-send) is handled in place. A self-send never uses Rts, so such a reply is Ack or
+    /// Nack and cannot fail.
+    fn reply(&mut self, p: usize, hdr: Header) {
+        if p == self.rank {
+            let _ = self.on_header(p, hdr);
+            return;
+        }
         self.push_out(
             p,
             Out {
                 hdr: hdr.encode(),
-                kind,
+                kind: hdr.kind,
                 payload: None,
                 plen: 0,
                 send_id: None,
@@ -401,22 +402,7 @@ impl State {
                 r.fp,
             ),
         };
-        if src == self.rank {
-            let reply = Header {
-                kind,
-                dtype,
-                ctx: 0,
-                tag: 0,
-                aux,
-                msg_id: h.msg_id,
-                len,
-                fp,
-            };
-            // A self-send never uses Rts, so a reply is Ack or Nack; errors cannot occur.
-            let _ = self.on_header(src, reply);
-        } else {
-            self.ctrl(src, kind, h.msg_id, aux, len, dtype, fp);
-        }
+        self.reply(src, control(kind, h.msg_id, aux, len, dtype, fp));
     }
 
     /// Delivers a fully received eager payload: into a matching posted receive, or into the
@@ -668,29 +654,8 @@ impl State {
     /// Refuses a message of a cancelled collective, so that its sender's operation ends.
     fn refuse_cancelled(&mut self, src: usize, h: &Header) {
         let reason = NackReason::Cancelled as u32;
-        let nack = Header {
-            kind: Kind::Nack,
-            dtype: h.dtype,
-            ctx: 0,
-            tag: 0,
-            aux: reason,
-            msg_id: h.msg_id,
-            len: 0,
-            fp: Fingerprint::NONE,
-        };
-        if src == self.rank {
-            let _ = self.on_header(src, nack);
-        } else {
-            self.ctrl(
-                src,
-                Kind::Nack,
-                h.msg_id,
-                reason,
-                0,
-                h.dtype,
-                Fingerprint::NONE,
-            );
-        }
+        let nack = control(Kind::Nack, h.msg_id, reason, 0, h.dtype, Fingerprint::NONE);
+        self.reply(src, nack);
     }
 
     /// A peer reports that collective (`h.ctx`, `h.tag`) failed there: fail our operations of it

@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::{Engine, EngineConfig, Envelope};
-use crate::transport::{advertise_ip, connect_mesh};
+use crate::transport::{
+    advertise_ip, connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING,
+};
 use crate::work::{BoxBuf, Driver, Status, Work};
 
 /// Largest user tag. Tags above it are refused with [`Error::TagOutOfRange`].
@@ -46,6 +48,7 @@ pub struct GroupBuilder {
     host_store: Option<bool>,
     timeout: Option<Duration>,
     secret: Option<Vec<u8>>,
+    transport: Option<TransportKind>,
 }
 
 impl GroupBuilder {
@@ -60,6 +63,7 @@ impl GroupBuilder {
             host_store: None,
             timeout: None,
             secret: None,
+            transport: None,
         }
     }
 
@@ -97,6 +101,14 @@ impl GroupBuilder {
     /// `distcomm launch` generates). Every rank needs the same one.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
+        self
+    }
+
+    /// How ranks on this host talk (default: `DISTCOMM_TRANSPORT`, else
+    /// [`TransportKind::Auto`]: shared memory towards ranks on this host where the platform
+    /// has it, TCP towards the others).
+    pub fn transport(mut self, kind: TransportKind) -> Self {
+        self.transport = Some(kind);
         self
     }
 
@@ -151,6 +163,17 @@ impl GroupBuilder {
             timeout,
             secret.as_deref(),
         )?;
+        let kind = match self.transport {
+            Some(k) => k,
+            None => TransportKind::parse(&std::env::var("DISTCOMM_TRANSPORT").unwrap_or_default())?,
+        };
+        let shm = ShmConfig {
+            kind,
+            ring: env_u64("DISTCOMM_SHM_RING")?.map_or(DEFAULT_RING, |b| b as usize),
+            cma: env_u64("DISTCOMM_SHM_CMA")? != Some(0),
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        let links = setup_shm(&streams, self.rank, &shm, deadline)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let local = self.local_world.unwrap_or(self.world);
         let oversubscribed = local > cores;
@@ -167,7 +190,7 @@ impl GroupBuilder {
             yield_spin: oversubscribed,
             sockbuf,
         };
-        let engine = Engine::start(self.rank, streams, cfg)?;
+        let engine = Engine::start(self.rank, streams, links, cfg)?;
         let group = ProcessGroup {
             inner: Arc::new(Inner {
                 engine,

@@ -43,6 +43,7 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
 pub use reduce::{ReduceOp, Reducible};
+pub use transport::TransportKind;
 pub use work::{Status, Work};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.

@@ -34,6 +34,10 @@ pub(crate) trait WireBuf: Send + 'static {
     fn bytes(&self) -> &[u8];
     fn bytes_mut(&mut self) -> &mut [u8];
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+    /// Whether this is a view of memory the engine does not own ([`RawView`]).
+    fn is_view(&self) -> bool {
+        false
+    }
 }
 
 impl<T: crate::Element> WireBuf for Vec<T> {
@@ -113,6 +117,9 @@ impl WireBuf for RawView {
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         Box::new(())
+    }
+    fn is_view(&self) -> bool {
+        true
     }
 }
 

@@ -3,14 +3,14 @@
 //!
 //! ```text
 //! offset size field
-//!      0    1 kind     (Eager, Rts, Cts, Data, Ack, Nack)
+//!      0    1 kind     (Eager, Rts, Cts, Data, Ack, Nack, Cancel, Rget)
 //!      1    1 dtype    (DType wire byte)
 //!      2    2 reserved (zero)
 //!      4    4 ctx      (communication context: user p2p, internal collectives, subgroups)
 //!      8    4 tag
 //!     12    4 aux      (Nack: reason code)
 //!     16    8 msg_id   (sender-chosen, unique per connection)
-//!     24    8 len      (payload bytes for Eager/Data; announced size for Rts; capacity for Nack)
+//!     24    8 len      (payload bytes for Eager/Data; announced size for Rts/Rget; capacity for Nack)
 //!     32    1 fp.kind  (collective fingerprint: 0 for point-to-point)
 //!     33    1 fp.op    (reduce operator, 0 when none)
 //!     34    2 reserved (zero)
@@ -28,6 +28,9 @@ use crate::dtype::DType;
 
 /// Header size in bytes.
 pub const HEADER_LEN: usize = 48;
+
+/// Payload of an Rget (Rput) frame: the sender's (receiver's) buffer address, little-endian.
+pub const RGET_PAYLOAD: usize = 8;
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +51,16 @@ pub enum Kind {
     /// The collective (`ctx`, `tag`) failed on the sender (`fp`: its call; `aux` 1 for a
     /// desync): fail everything of it here too.
     Cancel = 7,
+    /// Request to fetch a large message (shared-memory links): like Rts, followed by an 8-byte
+    /// payload, the address of the sender's buffer, which the receiver copies from directly;
+    /// it answers Ack when done, or Cts to have the data streamed instead.
+    Rget = 8,
+    /// Answer to an Rget of a large message (shared-memory links): the receiver copies the tail
+    /// itself and asks the sender to write the first `len` bytes in parallel, at the address in
+    /// the 8-byte payload, then answer Put.
+    Rput = 9,
+    /// The sender wrote what an Rput asked for (`aux` 0), or could not (`aux` 1).
+    Put = 10,
 }
 
 /// Why a receiver refused a message.
@@ -164,6 +177,9 @@ impl Header {
             5 => Kind::Ack,
             6 => Kind::Nack,
             7 => Kind::Cancel,
+            8 => Kind::Rget,
+            9 => Kind::Rput,
+            10 => Kind::Put,
             k => return Err(DecodeError(format!("unknown frame kind {k}"))),
         };
         let dtype =
@@ -198,7 +214,9 @@ impl Header {
                 h.len
             )));
         }
-        if h.len % h.dtype.size() as u64 != 0 && matches!(h.kind, Kind::Eager | Kind::Rts) {
+        if h.len % h.dtype.size() as u64 != 0
+            && matches!(h.kind, Kind::Eager | Kind::Rts | Kind::Rget)
+        {
             return Err(DecodeError(format!(
                 "{} bytes is not a whole number of {} elements",
                 h.len, h.dtype
@@ -211,6 +229,7 @@ impl Header {
     pub fn payload_len(&self) -> u64 {
         match self.kind {
             Kind::Eager | Kind::Data => self.len,
+            Kind::Rget | Kind::Rput => RGET_PAYLOAD as u64,
             _ => 0,
         }
     }
@@ -230,7 +249,7 @@ mod tests {
         }
 
         #[test]
-        fn roundtrip(kind in 1u8..=7, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000, fk: u8, fo: u8, root: u32, count: u64) {
+        fn roundtrip(kind in 1u8..=10, dt in 0u8..=8, ctx: u32, tag: u32, aux: u32, id: u64, n in 0u64..1000, fk: u8, fo: u8, root: u32, count: u64) {
             let dtype = DType::from_wire(dt).unwrap();
             let mut raw = [0u8; HEADER_LEN];
             raw[0] = kind;

@@ -2,13 +2,24 @@
 //! above them.
 //!
 //! * [`frame`]: the bounded wire header shared by the native transports;
-//! * `tcp`: the TCP mesh and its progress engine;
+//! * `tcp`: the mesh and its progress engine, over sockets or shared-memory links;
+//! * `shm` (Linux): shared-memory links between ranks on one host, chosen automatically
+//!   ([`TransportKind`]);
 //! * `connect_mesh`: establishing the mesh through the rendezvous store, with the versioned,
 //!   authenticated [`handshake`] checked before any user buffer is touched.
 
 pub mod frame;
 pub mod handshake;
+#[cfg(target_os = "linux")]
+pub(crate) mod shm;
 pub(crate) mod tcp;
+
+#[cfg(target_os = "linux")]
+pub(crate) use shm::ShmLink;
+
+/// Stand-in for the shared-memory link where the platform has none.
+#[cfg(not(target_os = "linux"))]
+pub(crate) enum ShmLink {}
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
@@ -17,6 +28,79 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
+
+/// How ranks on one host talk (`DISTCOMM_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// Shared memory towards ranks on this host, TCP towards the others (the default).
+    #[default]
+    Auto,
+    /// TCP everywhere.
+    Tcp,
+    /// Shared memory everywhere; an error if any peer is on another host or the platform has no
+    /// shared-memory transport.
+    Shm,
+}
+
+impl TransportKind {
+    /// Parses `auto`, `tcp` or `shm`.
+    pub fn parse(s: &str) -> Result<TransportKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(TransportKind::Auto),
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
+            other => Err(Error::Config(format!(
+                "DISTCOMM_TRANSPORT={other:?}: expected auto, tcp or shm"
+            ))),
+        }
+    }
+
+    pub(crate) fn word(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        }
+    }
+}
+
+/// Settings of the shared-memory links.
+#[derive(Debug, Clone)]
+pub(crate) struct ShmConfig {
+    pub kind: TransportKind,
+    /// Ring capacity per direction (rounded up to a power of two).
+    pub ring: usize,
+    /// Whether large messages may use cross-memory attach.
+    pub cma: bool,
+}
+
+/// Default ring capacity per direction of a shared-memory link.
+pub(crate) const DEFAULT_RING: usize = 1 << 20;
+
+/// Decides with every peer whether its link uses shared memory, and sets those links up
+/// (on the authenticated, still blocking streams). `None` entries use TCP.
+pub(crate) fn setup_shm(
+    streams: &[Option<TcpStream>],
+    rank: usize,
+    cfg: &ShmConfig,
+    deadline: Instant,
+) -> Result<Vec<Option<ShmLink>>> {
+    #[cfg(target_os = "linux")]
+    {
+        shm::setup(streams, rank, cfg, deadline)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (rank, deadline);
+        if cfg.kind == TransportKind::Shm && streams.len() > 1 {
+            return Err(Error::Config(
+                "DISTCOMM_TRANSPORT=shm: the shared-memory transport is only available on Linux"
+                    .into(),
+            ));
+        }
+        Ok(streams.iter().map(|_| None).collect())
+    }
+}
 
 /// The address other ranks should use to reach this host: `DISTCOMM_HOST` if set, loopback when
 /// the master is on loopback, otherwise the local interface that routes to the master.

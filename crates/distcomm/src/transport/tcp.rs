@@ -34,7 +34,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::frame::{Fingerprint, Header, Kind, NackReason, HEADER_LEN};
+use super::frame::{Fingerprint, Header, Kind, NackReason, HEADER_LEN, RGET_PAYLOAD};
+#[cfg(target_os = "linux")]
+use super::shm;
+use super::ShmLink;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::{block, BoxBuf, Driver, OpCell, Status};
@@ -131,7 +134,8 @@ impl Posted {
 struct Unexpected {
     src: usize,
     hdr: Header,
-    /// The inline payload of an Eager message; `None` for an Rts.
+    /// The inline payload of an Eager message (for an Rget: the sender's buffer address);
+    /// `None` for an Rts.
     data: Option<Vec<u8>>,
 }
 
@@ -146,6 +150,9 @@ struct PendingSend {
     cell: Arc<OpCell>,
     /// The buffer while it is not queued for writing.
     buf: Option<BoxBuf>,
+    /// Its address went to the receiver (Rget), which may be copying from it: the buffer must
+    /// outlive the receiver's answer (or death), even if the operation fails here first.
+    lent: bool,
 }
 
 struct Out {
@@ -171,8 +178,75 @@ enum Rx {
     },
 }
 
-struct Peer {
+/// The byte stream to a peer: its socket, or a shared-memory link beside it (then the socket
+/// only carries doorbells and reports the peer's death).
+struct Link {
     stream: TcpStream,
+    shm: Option<ShmLink>,
+}
+
+impl Link {
+    /// Reads into `dst`; `Err` means the link is gone.
+    fn read(&mut self, dst: &mut [u8]) -> std::result::Result<Fill, String> {
+        #[cfg(target_os = "linux")]
+        if let Some(l) = &self.shm {
+            let (n, ring) = l.read(dst).map_err(|e| e.to_string())?;
+            if ring {
+                shm::ring_doorbell(&self.stream);
+            }
+            return Ok(if n == 0 { Fill::Empty } else { Fill::Got(n) });
+        }
+        loop {
+            match self.stream.read(dst) {
+                Ok(0) => return Err("connection closed by peer".into()),
+                Ok(n) => return Ok(Fill::Got(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Fill::Empty),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// Writes what fits of `iov`; `Ok(0)` when nothing fits now.
+    fn write(&mut self, iov: &[IoSlice<'_>]) -> std::result::Result<usize, String> {
+        #[cfg(target_os = "linux")]
+        if let Some(l) = &self.shm {
+            let (n, ring) = l.write(iov).map_err(|e| e.to_string())?;
+            if ring {
+                shm::ring_doorbell(&self.stream);
+            }
+            return Ok(n);
+        }
+        loop {
+            match self.stream.write_vectored(iov) {
+                Ok(0) => return Err("connection closed while writing".into()),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// The peer's process id where a direct (cross-memory) copy from it is allowed.
+    fn cma_pid(&self) -> Option<i32> {
+        #[cfg(target_os = "linux")]
+        if let Some(l) = self.shm.as_ref().filter(|l| l.cma) {
+            return Some(l.pid);
+        }
+        None
+    }
+
+    fn no_more_cma(&mut self) {
+        #[cfg(target_os = "linux")]
+        if let Some(l) = &mut self.shm {
+            l.cma = false;
+        }
+    }
+}
+
+struct Peer {
+    link: Link,
     out: VecDeque<Out>,
     out_off: usize,
     rx: Rx,
@@ -188,19 +262,6 @@ enum Fill {
 }
 
 impl Peer {
-    /// Reads into `dst`; `Err` means the connection is gone.
-    fn read_into(stream: &mut TcpStream, dst: &mut [u8]) -> std::result::Result<Fill, String> {
-        loop {
-            match stream.read(dst) {
-                Ok(0) => return Err("connection closed by peer".into()),
-                Ok(n) => return Ok(Fill::Got(n)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Fill::Empty),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-    }
-
     fn fill(&mut self) -> std::result::Result<Fill, String> {
         if self.rx_start == self.rx_end {
             self.rx_start = 0;
@@ -210,13 +271,30 @@ impl Peer {
             self.rx_end -= self.rx_start;
             self.rx_start = 0;
         }
-        let r = Self::read_into(&mut self.stream, &mut self.rxbuf[self.rx_end..])?;
+        let r = self.link.read(&mut self.rxbuf[self.rx_end..])?;
         if let Fill::Got(n) = r {
             self.rx_end += n;
         }
         Ok(r)
     }
 }
+
+/// A large receive whose buffer address went to a shared-memory peer (Rput): the peer writes
+/// into it until it answers Put, so the buffer must outlive that answer whatever happens here
+/// (abort, shutdown): only the peer's Put or death releases it.
+struct Lent {
+    r: Posted,
+    h: Header,
+    /// The sender's buffer address (from its Rget).
+    addr: u64,
+    /// Bytes the sender writes (the head); we copied the tail.
+    split: usize,
+    /// Whether our copy of the tail failed (then the message is streamed after the Put).
+    own_failed: bool,
+}
+
+/// Messages at least this large are copied by both sides at once (Rput).
+const SPLIT_MIN: usize = 1 << 20;
 
 /// Why a collective was cancelled.
 #[derive(Clone, Copy)]
@@ -264,6 +342,8 @@ struct State {
     /// Large receives that answered Cts and wait for Data, by (source, msg_id), with the size
     /// the sender announced.
     rdv: HashMap<(usize, u64), (Posted, u64)>,
+    /// Receives whose buffer a peer is writing into, by (source, msg_id).
+    lent: HashMap<(usize, u64), Lent>,
     next_id: u64,
     closed: Option<String>,
     /// Collectives (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so
@@ -430,6 +510,176 @@ impl State {
         }
     }
 
+    /// A peer asks us to fetch a large message (`addr`: its buffer address, 8 bytes).
+    fn on_rget(&mut self, src: usize, h: Header, addr: Vec<u8>) {
+        let pos = self.posted.iter().position(|r| r.matches(src, &h));
+        let Some(r) = pos.and_then(|i| self.posted.remove(i)) else {
+            self.unexpected.push_back(Unexpected {
+                src,
+                hdr: h,
+                data: Some(addr),
+            });
+            return;
+        };
+        match self.check(&r, src, &h) {
+            Ok(()) => self.fetch(src, h, r, &addr),
+            Err((e, reason)) => {
+                self.answer(src, &h, Some((reason, &r)));
+                r.cell.complete(Err(e), None);
+            }
+        }
+    }
+
+    /// Copies a matched Rget message straight from the sender's memory and acknowledges it;
+    /// a message of at least [`SPLIT_MIN`] bytes into memory we own is copied by both sides at
+    /// once (we ask the sender to write the head with an Rput while we read the tail). Where
+    /// the kernel refuses, has it streamed instead (Cts), and stops trying on that link.
+    fn fetch(&mut self, src: usize, h: Header, mut r: Posted, addr: &[u8]) {
+        let mut raw = [0u8; RGET_PAYLOAD];
+        raw.copy_from_slice(&addr[..RGET_PAYLOAD.min(addr.len())]);
+        let addr = u64::from_le_bytes(raw);
+        let pid = match self.peers.get(src) {
+            Some(Some(peer)) => peer.link.cma_pid(),
+            _ => None,
+        };
+        #[cfg(target_os = "linux")]
+        if let Some(pid) = pid {
+            let n = h.len as usize;
+            let split = if n >= SPLIT_MIN && !r.buf.is_view() {
+                (n / 2) & !63
+            } else {
+                0
+            };
+            if split > 0 {
+                let ours = r.buf.bytes().as_ptr() as u64;
+                self.push_out(
+                    src,
+                    Out {
+                        hdr: control(Kind::Rput, h.msg_id, 0, split as u64, h.dtype, h.fp).encode(),
+                        kind: Kind::Rput,
+                        payload: Some(Box::new(ours.to_le_bytes().to_vec())),
+                        plen: RGET_PAYLOAD,
+                        send_id: None,
+                    },
+                );
+                if let Err(reason) = self.pump_tx(src) {
+                    self.mark_dead(src, reason);
+                }
+            }
+            let tail = &mut r.buf.bytes_mut()[split..n];
+            let copied = shm::cma_read(pid, addr + split as u64, tail);
+            if split > 0 {
+                r.cell.kick();
+                let own_failed = copied.is_err();
+                let lent = Lent {
+                    r,
+                    h,
+                    addr,
+                    split,
+                    own_failed,
+                };
+                self.lent.insert((src, h.msg_id), lent);
+                return;
+            }
+            if copied.is_ok() {
+                self.reply(
+                    src,
+                    control(Kind::Ack, h.msg_id, 0, 0, h.dtype, Fingerprint::NONE),
+                );
+                complete_recv(r, src, &h);
+                return;
+            }
+            if let Some(Some(peer)) = self.peers.get_mut(src) {
+                peer.link.no_more_cma();
+            }
+        }
+        let _ = (pid, addr);
+        self.stream_instead(src, h, r);
+    }
+
+    /// Has a large message streamed (Cts, then Data) instead of copied directly.
+    fn stream_instead(&mut self, src: usize, h: Header, r: Posted) {
+        let cts = control(Kind::Cts, h.msg_id, 0, 0, h.dtype, Fingerprint::NONE);
+        self.reply(src, cts);
+        r.cell.kick();
+        self.rdv.insert((src, h.msg_id), (r, h.len));
+    }
+
+    /// Sender side of an Rput: write the head of message `h.msg_id` into the receiver's buffer
+    /// at `addr`, and say whether that worked (Put).
+    fn on_rput(&mut self, p: usize, h: Header, addr: Vec<u8>) -> std::result::Result<(), String> {
+        let mut raw = [0u8; RGET_PAYLOAD];
+        raw.copy_from_slice(&addr[..RGET_PAYLOAD.min(addr.len())]);
+        let pid = match self.peers.get(p) {
+            Some(Some(peer)) => peer.link.cma_pid(),
+            _ => None,
+        };
+        let Some(s) = self.sends.get(&h.msg_id).filter(|s| s.dst == p) else {
+            return Err(format!(
+                "protocol violation: put request for unknown message {}",
+                h.msg_id
+            ));
+        };
+        let n = (h.len as usize).min(s.len);
+        let written = match (&s.buf, pid) {
+            #[cfg(target_os = "linux")]
+            (Some(buf), Some(pid)) => {
+                shm::cma_write(pid, u64::from_le_bytes(raw), &buf.bytes()[..n]).is_ok()
+            }
+            _ => false,
+        };
+        s.cell.kick();
+        let put = control(
+            Kind::Put,
+            h.msg_id,
+            u32::from(!written),
+            0,
+            h.dtype,
+            Fingerprint::NONE,
+        );
+        self.reply(p, put);
+        Ok(())
+    }
+
+    /// Receiver side of Put: the sender wrote the head (or could not). Finish the message.
+    fn on_put(&mut self, p: usize, h: Header) -> std::result::Result<(), String> {
+        let Some(l) = self.lent.remove(&(p, h.msg_id)) else {
+            return Err(format!(
+                "protocol violation: put for unknown message {}",
+                h.msg_id
+            ));
+        };
+        let Lent {
+            mut r,
+            h: rh,
+            addr,
+            split,
+            own_failed,
+        } = l;
+        let mut ok = !own_failed;
+        if ok && h.aux != 0 {
+            // The sender could not write the head: read it ourselves.
+            #[cfg(target_os = "linux")]
+            if let Some(pid) = self.peers.get(p).and_then(|x| x.as_ref()?.link.cma_pid()) {
+                ok = shm::cma_read(pid, addr, &mut r.buf.bytes_mut()[..split]).is_ok();
+            }
+            let _ = (addr, split);
+        }
+        if ok {
+            self.reply(
+                p,
+                control(Kind::Ack, rh.msg_id, 0, 0, rh.dtype, Fingerprint::NONE),
+            );
+            complete_recv(r, p, &rh);
+        } else {
+            if let Some(Some(peer)) = self.peers.get_mut(p) {
+                peer.link.no_more_cma();
+            }
+            self.stream_instead(p, rh, r);
+        }
+        Ok(())
+    }
+
     /// Matches a newly posted receive against the unexpected queue, or queues it.
     fn post_recv(&mut self, mut r: Posted) {
         let pos = self
@@ -467,6 +717,7 @@ impl State {
             return;
         }
         match u.data {
+            Some(addr) if u.hdr.kind == Kind::Rget => self.fetch(u.src, u.hdr, r, &addr),
             Some(data) => {
                 r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
                 self.answer(u.src, &u.hdr, None);
@@ -486,11 +737,12 @@ impl State {
     /// Handles a decoded header from peer `p` (or a local reply for self-sends) and returns the
     /// receive state that follows it.
     fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
-        if matches!(h.kind, Kind::Eager | Kind::Rts) && self.cancelled.contains_key(&(h.ctx, h.tag))
+        if matches!(h.kind, Kind::Eager | Kind::Rts | Kind::Rget)
+            && self.cancelled.contains_key(&(h.ctx, h.tag))
         {
             self.refuse_cancelled(p, &h);
             return Ok(match h.kind {
-                Kind::Eager => Rx::Payload {
+                Kind::Eager | Kind::Rget => Rx::Payload {
                     hdr: h,
                     target: Target::Discard,
                     got: 0,
@@ -538,6 +790,15 @@ impl State {
                         }
                     },
                 }
+                Ok(Rx::Header)
+            }
+            Kind::Rget | Kind::Rput => Ok(Rx::Payload {
+                hdr: h,
+                target: Target::Temp(vec![0u8; RGET_PAYLOAD]),
+                got: 0,
+            }),
+            Kind::Put => {
+                self.on_put(p, h)?;
                 Ok(Rx::Header)
             }
             Kind::Data => match self.rdv.remove(&(p, h.msg_id)) {
@@ -702,6 +963,12 @@ impl State {
                 }
                 complete_recv(r, p, &h);
             }
+            Target::Temp(data) if h.kind == Kind::Rget => self.on_rget(p, h, data),
+            Target::Temp(data) if h.kind == Kind::Rput => {
+                if let Err(reason) = self.on_rput(p, h, data) {
+                    self.mark_dead(p, reason);
+                }
+            }
             Target::Temp(data) => self.deliver_eager(p, h, data),
             Target::Discard => {}
         }
@@ -772,7 +1039,7 @@ impl State {
                         return Ok(progressed);
                     }
                     let r = if dst.len() >= RXBUF / 2 {
-                        Peer::read_into(&mut peer.stream, dst).map(|f| {
+                        peer.link.read(dst).map(|f| {
                             if let Fill::Got(n) = f {
                                 got += n;
                             }
@@ -831,12 +1098,9 @@ impl State {
                     }
                     skip = 0;
                 }
-                match peer.stream.write_vectored(&iov) {
-                    Ok(0) => return Err("connection closed while writing".into()),
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progressed),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e.to_string()),
+                match peer.link.write(&iov)? {
+                    0 => return Ok(progressed),
+                    n => n,
                 }
             };
             progressed = true;
@@ -895,7 +1159,7 @@ impl State {
         if peer.dead.is_some() {
             return;
         }
-        let _ = peer.stream.shutdown(Shutdown::Both);
+        let _ = peer.link.stream.shutdown(Shutdown::Both);
         peer.dead = Some(reason.clone());
         peer.out.clear();
         if let Rx::Payload {
@@ -920,6 +1184,14 @@ impl State {
                     .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
             }
         }
+        // A dead peer writes no more: its lent buffers are free again.
+        let keys: Vec<_> = self.lent.keys().filter(|k| k.0 == p).copied().collect();
+        for k in keys {
+            if let Some(l) = self.lent.remove(&k) {
+                l.r.cell
+                    .complete(Err(peer_lost(l.r.op, rank, p, &reason)), None);
+            }
+        }
         let ids: Vec<u64> = self
             .sends
             .iter()
@@ -932,8 +1204,9 @@ impl State {
                     .complete(Err(peer_lost(s.op, rank, p, &reason)), None);
             }
         }
+        // Announced large messages can no longer be fetched; eager ones arrived whole.
         self.unexpected
-            .retain(|u| !(u.src == p && u.data.is_none()));
+            .retain(|u| !(u.src == p && u.hdr.kind != Kind::Eager));
     }
 
     fn reclaim(&mut self, ids: &[u64]) {
@@ -997,16 +1270,21 @@ impl State {
     }
 
     /// Fills `fds`/`owners` with every live peer's socket: readable always, writable when
-    /// frames are queued.
-    fn poll_set(&self, fds: &mut Vec<libc::pollfd>, owners: &mut Vec<usize>) {
+    /// frames are queued. Shared-memory peers' sockets only carry doorbells: they are included
+    /// with `doorbells` (to sleep on), left out otherwise (their rings are checked directly).
+    fn poll_set(&self, fds: &mut Vec<libc::pollfd>, owners: &mut Vec<usize>, doorbells: bool) {
         for (p, peer) in self.peers.iter().enumerate() {
             if let Some(peer) = peer.as_ref().filter(|x| x.dead.is_none()) {
+                let shm = peer.link.shm.is_some();
+                if shm && !doorbells {
+                    continue;
+                }
                 let mut events = libc::POLLIN;
-                if !peer.out.is_empty() {
+                if !shm && !peer.out.is_empty() {
                     events |= libc::POLLOUT;
                 }
                 fds.push(libc::pollfd {
-                    fd: peer.stream.as_raw_fd(),
+                    fd: peer.link.stream.as_raw_fd(),
                     events,
                     revents: 0,
                 });
@@ -1033,9 +1311,68 @@ impl State {
             }
             let readable = r & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
             let writable = r & (libc::POLLOUT | libc::POLLERR) != 0;
+            if self.is_shm(p) {
+                any |= readable && self.ring_answered(p, flush_replies);
+                continue;
+            }
             any |= self.pump(p, readable, writable, flush_replies);
         }
+        any | self.pump_shm(flush_replies)
+    }
+
+    fn is_shm(&self, p: usize) -> bool {
+        matches!(self.peers.get(p), Some(Some(peer)) if peer.link.shm.is_some())
+    }
+
+    /// The doorbell socket of shared-memory peer `p` is readable: drain it. If it closed, the
+    /// peer is gone, but everything it wrote before closing is in the ring: take that first.
+    /// Returns whether the peer was found dead.
+    fn ring_answered(&mut self, p: usize, flush_replies: bool) -> bool {
+        #[cfg(target_os = "linux")]
+        if let Some(Some(peer)) = self.peers.get(p) {
+            if let Err(reason) = shm::drain_doorbell(&peer.link.stream) {
+                self.pump(p, true, false, flush_replies);
+                self.mark_dead(p, reason);
+                return true;
+            }
+        }
+        let _ = (p, flush_replies);
+        false
+    }
+
+    /// Moves every live shared-memory peer (a check of its rings costs no system call).
+    fn pump_shm(&mut self, flush_replies: bool) -> bool {
+        let mut any = false;
+        for p in 0..self.peers.len() {
+            if self.is_shm(p) {
+                any |= self.pump(p, true, true, flush_replies);
+            }
+        }
         any
+    }
+
+    /// Before the progress thread sleeps: raises the sleep flags of every shared-memory link
+    /// (so the peer rings the doorbell). Returns whether something is already waiting, in
+    /// which case it must not sleep.
+    fn prepare_sleep(&self) -> bool {
+        let mut busy = false;
+        #[cfg(target_os = "linux")]
+        for peer in self.peers.iter().flatten().filter(|p| p.dead.is_none()) {
+            if let Some(l) = &peer.link.shm {
+                busy |= l.prepare_sleep(!peer.out.is_empty());
+            }
+        }
+        busy
+    }
+
+    /// After the progress thread woke: lowers the sleep flags.
+    fn woke(&self) {
+        #[cfg(target_os = "linux")]
+        for peer in self.peers.iter().flatten() {
+            if let Some(l) = &peer.link.shm {
+                l.woke();
+            }
+        }
     }
 
     /// Writes, reads, and (with `flush_replies`) writes again what reading produced.
@@ -1067,8 +1404,14 @@ impl State {
         for (_, (r, _)) in self.rdv.drain() {
             r.cell.complete(Err(aborted(r.op)), None);
         }
-        for (_, s) in self.sends.drain() {
+        // Sends whose buffer a peer may be reading stay until it answers; the rest go.
+        self.sends.retain(|_, s| {
             s.cell.complete(Err(aborted(s.op)), None);
+            s.lent
+        });
+        // Lent buffers stay until the peer's Put (or death); their operations fail now.
+        for l in self.lent.values() {
+            l.r.cell.complete(Err(aborted(l.r.op)), None);
         }
         for peer in self.peers.iter_mut().flatten() {
             // Replies owed to peers (acks, clear-to-send, refusals) and a frame already half on
@@ -1154,22 +1497,28 @@ impl Shared {
                         .saturating_sub(self.last_spin_us.load(Ordering::Acquire))
                         < SPIN_GRACE_US);
             self.watching.store(!spinning, Ordering::Release);
+            let mut busy = false;
             if !spinning {
-                self.lock().poll_set(&mut fds, &mut owners);
+                let st = self.lock();
+                st.poll_set(&mut fds, &mut owners, true);
+                busy = st.prepare_sleep();
             }
-            let timeout_ms = if spinning { 1 } else { 100 };
+            let timeout_ms = match (busy, spinning) {
+                (true, _) => 0,
+                (false, true) => 1,
+                (false, false) => 100,
+            };
             // SAFETY: `fds` is a live, exclusively borrowed Vec of initialised pollfd structs and
             // its length is passed alongside; poll(2) only writes the `revents` fields.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-            if n <= 0 {
-                continue;
-            }
-            if fds[0].revents != 0 {
+            if n > 0 && fds[0].revents != 0 {
                 let mut sink = [0u8; 64];
                 while matches!((&self.wake_rx).read(&mut sink), Ok(k) if k > 0) {}
             }
-            if fds.len() > 1 {
-                self.lock().progress_ready(&fds[1..], &owners, true);
+            if !spinning {
+                let mut st = self.lock();
+                st.woke();
+                st.progress_ready(&fds[1..], &owners, true);
             }
         }
     }
@@ -1183,13 +1532,17 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Takes over a connected mesh (`streams[rank]` is `None`) and starts the progress thread.
+    /// `links[p]` is the shared-memory link to `p`, if it has one.
     pub(crate) fn start(
         rank: usize,
         streams: Vec<Option<TcpStream>>,
+        links: Vec<Option<ShmLink>>,
         cfg: EngineConfig,
     ) -> Result<Arc<Engine>> {
         let mut peers = Vec::with_capacity(streams.len());
+        let mut links = links.into_iter();
         for s in streams {
+            let shm = links.next().flatten();
             peers.push(match s {
                 None => None,
                 Some(stream) => {
@@ -1202,11 +1555,11 @@ impl Engine {
                     let sockbuf =
                         cfg.sockbuf
                             .unwrap_or(if same_host(&stream) { LOCAL_SOCKBUF } else { 0 });
-                    if sockbuf > 0 {
+                    if sockbuf > 0 && shm.is_none() {
                         set_buffers(&stream, sockbuf)?;
                     }
                     Some(Peer {
-                        stream,
+                        link: Link { stream, shm },
                         out: VecDeque::new(),
                         out_off: 0,
                         rx: Rx::Header,
@@ -1234,6 +1587,7 @@ impl Engine {
                 unexpected: VecDeque::new(),
                 sends: HashMap::new(),
                 rdv: HashMap::new(),
+                lent: HashMap::new(),
                 next_id: 0,
                 closed: None,
                 cancelled: HashMap::new(),
@@ -1293,6 +1647,7 @@ impl Engine {
             len,
             cell: cell.clone(),
             buf: None,
+            lent: false,
         };
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
@@ -1314,12 +1669,33 @@ impl Engine {
             cell.complete(Err(peer_lost(op, self.sh.rank, dst, &reason)), None);
             return (id, cell);
         }
+        // A large message to a shared-memory peer is fetched by the receiver straight from our
+        // buffer (never from a view of the caller's memory: the engine cannot stop a copy
+        // under way in another process if the caller takes that memory back).
+        let direct = len > st.eager_max
+            && !buf.is_view()
+            && matches!(st.peers.get(dst), Some(Some(p)) if p.link.cma_pid().is_some());
         let out = if len <= st.eager_max {
             Out {
                 hdr: hdr.encode(),
                 kind: Kind::Eager,
                 payload: Some(buf),
                 plen: len,
+                send_id: Some(id),
+            }
+        } else if direct {
+            let addr = buf.bytes().as_ptr() as u64;
+            pending.buf = Some(buf);
+            pending.lent = true;
+            Out {
+                hdr: Header {
+                    kind: Kind::Rget,
+                    ..hdr
+                }
+                .encode(),
+                kind: Kind::Rget,
+                payload: Some(Box::new(addr.to_le_bytes().to_vec())),
+                plen: RGET_PAYLOAD,
                 send_id: Some(id),
             }
         } else {
@@ -1493,11 +1869,13 @@ impl Engine {
                     // one poll(2) over all of them beats a read on each.
                     fds.clear();
                     owners.clear();
-                    st.poll_set(&mut fds, &mut owners);
+                    st.poll_set(&mut fds, &mut owners, false);
                     let moved = if fds.len() <= 1 {
                         st.progress(false)
+                    } else if poll_now(&mut fds) > 0 {
+                        st.progress_ready(&fds, &owners, false)
                     } else {
-                        poll_now(&mut fds) > 0 && st.progress_ready(&fds, &owners, false)
+                        st.pump_shm(false)
                     };
                     if moved {
                         idle_since = Instant::now();
@@ -1577,28 +1955,39 @@ impl Drop for Engine {
         // reset that would destroy data the peer has not read yet.
         let linger = Instant::now() + Duration::from_secs(5);
         while Instant::now() < linger
-            && st
+            && (st
                 .peers
                 .iter()
                 .flatten()
                 .any(|p| p.dead.is_none() && !p.out.is_empty())
+                || !st.lent.is_empty()
+                || st.sends.values().any(|s| s.lent))
         {
             st.progress(true);
             std::thread::sleep(Duration::from_micros(200));
         }
         st.abort_all("process group shut down");
+        // A peer that never answered may still copy from or into these buffers: leak them
+        // rather than hand the memory back to the allocator.
+        for (_, l) in st.lent.drain() {
+            std::mem::forget(l.r.buf);
+        }
+        for (_, s) in st.sends.drain() {
+            std::mem::forget(s.buf);
+        }
         for peer in st.peers.iter_mut().flatten() {
             if peer.dead.is_some() {
                 continue;
             }
-            let _ = peer.stream.shutdown(Shutdown::Write);
-            let _ = peer.stream.set_nonblocking(false);
+            let stream = &mut peer.link.stream;
+            let _ = stream.shutdown(Shutdown::Write);
+            let _ = stream.set_nonblocking(false);
             let left = linger
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(10));
-            let _ = peer.stream.set_read_timeout(Some(left));
+            let _ = stream.set_read_timeout(Some(left));
             let mut sink = [0u8; 4096];
-            while matches!(peer.stream.read(&mut sink), Ok(n) if n > 0) {}
+            while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
         }
     }
 }

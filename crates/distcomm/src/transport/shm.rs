@@ -1,0 +1,706 @@
+//! The shared-memory link between two ranks on one host.
+//!
+//! Each direction of a pair is a single-producer single-consumer byte ring in a segment of
+//! `/dev/shm`, carrying exactly the frames the TCP transport would put on its socket, so the
+//! whole protocol (matching, eager/rendezvous, desync checks, cancellation) is shared. The TCP
+//! connection between the pair stays open beside the rings, for three things it does better
+//! than any shared-memory scheme: it was authenticated by the handshake (a stranger cannot hand
+//! us a segment), the kernel closes it when a process dies however it dies (peer death is
+//! detected exactly as on TCP), and it is a file descriptor `poll(2)` can sleep on: a side that
+//! goes to sleep raises a flag in the ring, and the other side, seeing it after publishing,
+//! writes one *doorbell* byte to the socket.
+//!
+//! Large messages skip the ring: the sender announces the address of its buffer (`Rget`) and
+//! the receiver copies it straight into the posted receive with `process_vm_readv(2)` (Linux
+//! cross-memory attach, one copy). Where the kernel refuses (ptrace rules, `EPERM`) the receiver
+//! answers clear-to-send instead and the message streams through the ring, pipelined (the
+//! sender fills while the receiver drains).
+//!
+//! # Lifecycle
+//! Segments are named `distcomm-<creator pid>-<nonce>-<src>to<dst>`. The producer creates its
+//! segment during initialisation, the consumer maps it and unlinks the name at once, and the
+//! producer unlinks it again once both sides reported (so a failed peer cannot leave it
+//! behind). After initialisation nothing of the job is left in `/dev/shm`, whatever happens to
+//! the processes later. Segments whose creator died during initialisation are swept by the next
+//! job on the host.
+//!
+//! # Trust
+//! The peer process could write anything into the shared pages. Indices are validated on every
+//! access (a ring claiming more bytes than it holds is a protocol violation that fails the
+//! link), and frames are decoded with the same bounds checks as from a socket.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+use memmap2::MmapRaw;
+
+use super::{ShmConfig, TransportKind};
+use crate::error::{Error, Result};
+
+/// Where segments live.
+const SHM_DIR: &str = "/dev/shm";
+/// Name prefix of every segment.
+const PREFIX: &str = "distcomm-";
+/// Offsets inside a segment. Each index lives on its own cache line.
+const OFF_TAIL: usize = 0;
+const OFF_HEAD: usize = 64;
+const OFF_CONSUMER_SLEEPING: usize = 128;
+const OFF_PRODUCER_WAITING: usize = 192;
+const OFF_MAGIC: usize = 256;
+const OFF_CAP: usize = 264;
+const OFF_DATA: usize = 4096;
+const MAGIC: u64 = 0x6469_7374_636f_6d31; // "distcom1"
+
+/// One mapped ring.
+struct Ring {
+    map: MmapRaw,
+    cap: u64,
+}
+
+impl Ring {
+    fn atomic64(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `off` is one of the 64-byte aligned header offsets, inside the mapping (which
+        // is page aligned and at least OFF_DATA bytes long, checked when mapped); AtomicU64 has
+        // the size and alignment of u64; the mapping lives as long as `self`, and every access
+        // to these words, from either process, is atomic.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn atomic32(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as in `atomic64`, for a 4-byte word at an aligned header offset.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: OFF_DATA + cap is the mapping's length (checked when mapped).
+        unsafe { self.map.as_mut_ptr().add(OFF_DATA) }
+    }
+
+    /// Bytes published and not yet consumed, validated against the capacity.
+    fn filled(&self, head: u64, tail: u64) -> io::Result<u64> {
+        let n = tail.wrapping_sub(head);
+        if n > self.cap {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "shared-memory ring corrupt: {n} bytes in a ring of {}",
+                    self.cap
+                ),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Copies `src` into the ring at logical position `pos` (wrapping).
+    fn put(&self, pos: u64, src: &[u8]) {
+        let cap = self.cap as usize;
+        let at = (pos % self.cap) as usize;
+        let first = src.len().min(cap - at);
+        // SAFETY: `at + first <= cap` and `src.len() - first <= cap - first`, so both copies stay
+        // inside the data area; the range lies between the consumer's head and our new tail,
+        // which the consumer does not read until we publish the tail.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), first);
+            std::ptr::copy_nonoverlapping(src[first..].as_ptr(), self.data(), src.len() - first);
+        }
+    }
+
+    /// Copies from the ring at logical position `pos` into `dst` (wrapping).
+    fn get(&self, pos: u64, dst: &mut [u8]) {
+        let cap = self.cap as usize;
+        let at = (pos % self.cap) as usize;
+        let first = dst.len().min(cap - at);
+        let rest = dst.len() - first;
+        // SAFETY: as in `put`; the range lies between our head and the producer's published
+        // tail, which the producer does not overwrite until we publish a new head.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(at), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), dst[first..].as_mut_ptr(), rest);
+        }
+    }
+}
+
+/// Both directions of a shared-memory link, plus what a transfer needs about the peer.
+pub(crate) struct ShmLink {
+    tx: Ring,
+    rx: Ring,
+    /// The peer's process id (cross-memory attach, messages).
+    pub pid: i32,
+    /// Large messages may go by cross-memory attach (both sides allowed it, the kernel has not
+    /// refused it yet).
+    pub cma: bool,
+}
+
+impl ShmLink {
+    /// Writes as much of `iov` as fits into the outbound ring. Returns the bytes written and
+    /// whether the consumer is asleep and needs a doorbell.
+    pub fn write(&self, iov: &[IoSlice<'_>]) -> io::Result<(usize, bool)> {
+        let r = &self.tx;
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        let head = r.atomic64(OFF_HEAD).load(Ordering::Acquire);
+        let mut free = (r.cap - r.filled(head, tail)?) as usize;
+        let mut pos = tail;
+        for s in iov {
+            if free == 0 {
+                break;
+            }
+            let n = s.len().min(free);
+            r.put(pos, &s[..n]);
+            pos += n as u64;
+            free -= n;
+        }
+        let written = (pos - tail) as usize;
+        if written == 0 {
+            return Ok((0, false));
+        }
+        r.atomic64(OFF_TAIL).store(pos, Ordering::Release);
+        // Pairs with the fence in `prepare_sleep`: either the consumer sees our tail, or we see
+        // its flag.
+        fence(Ordering::SeqCst);
+        let sleeping = r.atomic32(OFF_CONSUMER_SLEEPING);
+        let ring = sleeping.load(Ordering::Relaxed) != 0 && sleeping.swap(0, Ordering::AcqRel) != 0;
+        Ok((written, ring))
+    }
+
+    /// Reads up to `dst.len()` bytes from the inbound ring. Returns the bytes read and whether
+    /// the producer waits for room and needs a doorbell.
+    pub fn read(&self, dst: &mut [u8]) -> io::Result<(usize, bool)> {
+        let r = &self.rx;
+        let head = r.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Acquire);
+        let n = (r.filled(head, tail)? as usize).min(dst.len());
+        if n == 0 {
+            return Ok((0, false));
+        }
+        r.get(head, &mut dst[..n]);
+        r.atomic64(OFF_HEAD)
+            .store(head + n as u64, Ordering::Release);
+        fence(Ordering::SeqCst);
+        let waiting = r.atomic32(OFF_PRODUCER_WAITING);
+        let ring = waiting.load(Ordering::Relaxed) != 0 && waiting.swap(0, Ordering::AcqRel) != 0;
+        Ok((n, ring))
+    }
+
+    /// Before sleeping on the doorbell: raises our flags (consumer asleep; producer waiting for
+    /// room if `want_room`) and returns whether there is already something to do, in which case
+    /// the caller must not sleep.
+    pub fn prepare_sleep(&self, want_room: bool) -> bool {
+        self.rx
+            .atomic32(OFF_CONSUMER_SLEEPING)
+            .store(1, Ordering::Relaxed);
+        if want_room {
+            self.tx
+                .atomic32(OFF_PRODUCER_WAITING)
+                .store(1, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        let rx_head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        let rx_tail = self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire);
+        let tx_tail = self.tx.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        let tx_head = self.tx.atomic64(OFF_HEAD).load(Ordering::Acquire);
+        rx_tail != rx_head || (want_room && tx_tail.wrapping_sub(tx_head) < self.tx.cap)
+    }
+
+    /// After waking: lowers our flags so the peer stops ringing.
+    pub fn woke(&self) {
+        self.rx
+            .atomic32(OFF_CONSUMER_SLEEPING)
+            .store(0, Ordering::Relaxed);
+        self.tx
+            .atomic32(OFF_PRODUCER_WAITING)
+            .store(0, Ordering::Relaxed);
+    }
+}
+
+/// Rings the doorbell: one byte on the link's socket. A full socket buffer means unread
+/// doorbells are already there, which wake the peer just as well.
+pub(crate) fn ring_doorbell(stream: &TcpStream) {
+    let _ = (&*stream).write(&[0u8]);
+}
+
+/// Reads and discards doorbell bytes; `Err` when the socket closed (the peer is gone).
+pub(crate) fn drain_doorbell(stream: &TcpStream) -> std::result::Result<(), String> {
+    let mut sink = [0u8; 256];
+    loop {
+        match (&*stream).read(&mut sink) {
+            Ok(0) => return Err("connection closed by peer".into()),
+            Ok(n) if n < sink.len() => return Ok(()),
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Copies `dst.len()` bytes at `addr` in process `pid` into `dst` (cross-memory attach).
+pub(crate) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < dst.len() {
+        let local = libc::iovec {
+            iov_base: dst[done..].as_mut_ptr().cast(),
+            iov_len: dst.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize + done) as *mut libc::c_void,
+            iov_len: dst.len() - done,
+        };
+        // SAFETY: `local` describes the writable remainder of `dst`, which we borrow exclusively;
+        // `remote` is only interpreted by the kernel in the other process's address space, where
+        // a bad address is an EFAULT, never an access to our memory.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "cross-memory read made no progress",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Copies `src` to `addr` in process `pid` (cross-memory attach).
+pub(crate) fn cma_write(pid: i32, addr: u64, src: &[u8]) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < src.len() {
+        let local = libc::iovec {
+            iov_base: src[done..].as_ptr().cast_mut().cast(),
+            iov_len: src.len() - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize + done) as *mut libc::c_void,
+            iov_len: src.len() - done,
+        };
+        // SAFETY: `local` describes the remainder of `src`, which the kernel only reads;
+        // `remote` is interpreted in the other process, where a bad address is an EFAULT.
+        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "cross-memory write made no progress",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Identifies the shared-memory domain of this process: the running kernel (boot id) and the
+/// `/dev/shm` file system. Two processes with equal identities can map each other's segments.
+fn host_identity() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let meta = std::fs::metadata(SHM_DIR).ok()?;
+    Some(format!("{}:{}:{}", boot.trim(), meta.dev(), meta.ino()))
+}
+
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Unlinks segments left by processes that died during initialisation.
+fn sweep_stale() {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<i32>().ok());
+        if pid.is_some_and(|p| p > 0 && !pid_alive(p)) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+fn segment_len(cap: usize) -> usize {
+    OFF_DATA + cap
+}
+
+/// Creates and maps our outbound ring for `peer`.
+fn create(name: &str, cap: usize) -> io::Result<Ring> {
+    let path = format!("{SHM_DIR}/{name}");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)?;
+    let made = file
+        .set_len(segment_len(cap) as u64)
+        .and_then(|()| MmapRaw::map_raw(&file));
+    let map = match made {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+    };
+    let ring = Ring {
+        map,
+        cap: cap as u64,
+    };
+    ring.atomic64(OFF_CAP).store(cap as u64, Ordering::Relaxed);
+    ring.atomic64(OFF_MAGIC).store(MAGIC, Ordering::Release);
+    Ok(ring)
+}
+
+/// Maps the peer's ring `name`, checks its header, and unlinks the name.
+fn open(name: &str) -> io::Result<Ring> {
+    let path = format!("{SHM_DIR}/{name}");
+    let file: File = OpenOptions::new().read(true).write(true).open(&path)?;
+    let _ = std::fs::remove_file(&path);
+    let len = file.metadata()?.len() as usize;
+    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+    if len < OFF_DATA {
+        return Err(bad(format!("segment {name} is only {len} bytes")));
+    }
+    let map = MmapRaw::map_raw(&file)?;
+    let ring = Ring { map, cap: 0 };
+    let magic = ring.atomic64(OFF_MAGIC).load(Ordering::Acquire);
+    let cap = ring.atomic64(OFF_CAP).load(Ordering::Relaxed);
+    if magic != MAGIC || cap == 0 || segment_len(cap as usize) != len {
+        return Err(bad(format!(
+            "segment {name} has a foreign header (magic {magic:#x}, capacity {cap}, {len} bytes)"
+        )));
+    }
+    Ok(Ring { cap, ..ring })
+}
+
+/// What a rank tells each peer before deciding on the link.
+struct Hello {
+    host: String,
+    pid: i32,
+    kind: String,
+    cma: bool,
+    seg: String,
+}
+
+impl Hello {
+    fn encode(&self) -> String {
+        format!(
+            "host={} pid={} kind={} cma={} seg={}\n",
+            self.host,
+            self.pid,
+            self.kind,
+            u8::from(self.cma),
+            self.seg
+        )
+    }
+
+    fn decode(line: &str) -> Option<Hello> {
+        let mut h = Hello {
+            host: String::new(),
+            pid: 0,
+            kind: String::new(),
+            cma: false,
+            seg: String::new(),
+        };
+        for field in line.split_whitespace() {
+            let (k, v) = field.split_once('=')?;
+            match k {
+                "host" => h.host = v.to_string(),
+                "pid" => h.pid = v.parse().ok()?,
+                "kind" => h.kind = v.to_string(),
+                "cma" => h.cma = v == "1",
+                "seg" => h.seg = v.to_string(),
+                _ => {}
+            }
+        }
+        Some(h)
+    }
+}
+
+/// Reads one `\n`-terminated line of at most 1 KiB from a blocking stream.
+fn read_line(stream: &TcpStream, deadline: Instant) -> io::Result<String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    stream.set_read_timeout(Some(left.max(std::time::Duration::from_millis(1))))?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.len() < 1024 {
+        if (&*stream).read(&mut b)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if b[0] == b'\n' {
+            stream.set_read_timeout(None)?;
+            return String::from_utf8(line)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8"));
+        }
+        line.push(b[0]);
+    }
+    Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"))
+}
+
+/// Decides, with every peer, which links use shared memory, and sets those up. Runs on the
+/// freshly authenticated, still blocking streams. Returns one entry per rank (`None`: TCP).
+pub(crate) fn setup(
+    streams: &[Option<TcpStream>],
+    rank: usize,
+    cfg: &ShmConfig,
+    deadline: Instant,
+) -> Result<Vec<Option<ShmLink>>> {
+    let world = streams.len();
+    let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
+    if cfg.kind == TransportKind::Tcp || world <= 1 {
+        return Ok(links);
+    }
+    let proto = |peer: usize, detail: String| Error::Protocol { rank, peer, detail };
+    let host = host_identity();
+    if cfg.kind == TransportKind::Shm && host.is_none() {
+        return Err(Error::Config(format!(
+            "DISTCOMM_TRANSPORT=shm, but {SHM_DIR} or /proc is unavailable here"
+        )));
+    }
+    sweep_stale();
+    let pid = std::process::id() as i32;
+    let mut nonce = [0u8; 4];
+    getrandom::getrandom(&mut nonce).map_err(|e| Error::Config(format!("randomness: {e}")))?;
+    let nonce = u32::from_le_bytes(nonce);
+    let cap = cfg.ring.max(4096).next_power_of_two();
+
+    // Phase 1: create our outbound rings and tell every peer about them.
+    let mut tx: Vec<Option<(String, Ring)>> = (0..world).map(|_| None).collect();
+    let cleanup = |tx: &[Option<(String, Ring)>]| {
+        for (name, _) in tx.iter().flatten() {
+            let _ = std::fs::remove_file(format!("{SHM_DIR}/{name}"));
+        }
+    };
+    for (peer, s) in streams.iter().enumerate() {
+        let Some(s) = s else { continue };
+        let mut seg = String::from("-");
+        if host.is_some() {
+            let name = format!("{PREFIX}{pid}-{nonce:08x}-{rank}to{peer}");
+            match create(&name, cap) {
+                Ok(ring) => {
+                    seg = name.clone();
+                    tx[peer] = Some((name, ring));
+                }
+                Err(e) if cfg.kind == TransportKind::Shm => {
+                    cleanup(&tx);
+                    return Err(Error::io(format!("create {SHM_DIR}/{name}"), e));
+                }
+                Err(_) => {}
+            }
+        }
+        let hello = Hello {
+            host: host.clone().unwrap_or_else(|| "-".into()),
+            pid,
+            kind: cfg.kind.word().into(),
+            cma: cfg.cma,
+            seg,
+        };
+        if let Err(e) = (&*s).write_all(hello.encode().as_bytes()) {
+            cleanup(&tx);
+            return Err(Error::PeerLost {
+                op: "shared-memory setup",
+                rank,
+                peer,
+                reason: e.to_string(),
+            });
+        }
+    }
+
+    // Phase 2: read every peer's hello, map the rings of those on this host.
+    let mut rx: Vec<Option<(Hello, Ring)>> = (0..world).map(|_| None).collect();
+    let mut verdict: Vec<std::result::Result<(), String>> = vec![Ok(()); world];
+    for (peer, s) in streams.iter().enumerate() {
+        let Some(s) = s else { continue };
+        let line = read_line(s, deadline).map_err(|e| {
+            cleanup(&tx);
+            Error::PeerLost {
+                op: "shared-memory setup",
+                rank,
+                peer,
+                reason: e.to_string(),
+            }
+        })?;
+        let Some(h) = Hello::decode(&line) else {
+            cleanup(&tx);
+            return Err(proto(peer, format!("bad shared-memory hello {line:?}")));
+        };
+        let same = host.as_deref().is_some_and(|me| me == h.host) && h.kind != "tcp";
+        if !same {
+            verdict[peer] = Err(format!("rank {peer} is not on this host"));
+            if cfg.kind == TransportKind::Shm || h.kind == "shm" {
+                cleanup(&tx);
+                return Err(Error::Config(format!(
+                    "DISTCOMM_TRANSPORT=shm, but rank {peer} cannot share memory with rank \
+                     {rank} (another host, or it chose {})",
+                    h.kind
+                )));
+            }
+            continue;
+        }
+        if tx[peer].is_none() || !h.seg.starts_with(PREFIX) || h.seg.contains('/') {
+            verdict[peer] = Err("no segment".into());
+            continue;
+        }
+        match open(&h.seg) {
+            Ok(ring) => rx[peer] = Some((h, ring)),
+            Err(e) => verdict[peer] = Err(format!("map {}: {e}", h.seg)),
+        }
+    }
+
+    // Phase 3: tell every peer whether we mapped its ring; phase 4: learn whether it mapped
+    // ours. A link uses shared memory only if both sides succeeded.
+    for (peer, s) in streams.iter().enumerate() {
+        let Some(s) = s else { continue };
+        let word = if verdict[peer].is_ok() {
+            "ok\n"
+        } else {
+            "no\n"
+        };
+        if let Err(e) = (&*s).write_all(word.as_bytes()) {
+            cleanup(&tx);
+            return Err(Error::PeerLost {
+                op: "shared-memory setup",
+                rank,
+                peer,
+                reason: e.to_string(),
+            });
+        }
+    }
+    for (peer, s) in streams.iter().enumerate() {
+        let Some(s) = s else { continue };
+        let theirs = read_line(s, deadline);
+        let _ = std::fs::remove_file(format!(
+            "{SHM_DIR}/{}",
+            tx[peer].as_ref().map_or("", |t| t.0.as_str())
+        ));
+        let theirs = match theirs {
+            Ok(w) => w,
+            Err(e) => {
+                cleanup(&tx);
+                return Err(Error::PeerLost {
+                    op: "shared-memory setup",
+                    rank,
+                    peer,
+                    reason: e.to_string(),
+                });
+            }
+        };
+        let ours = std::mem::replace(&mut verdict[peer], Ok(()));
+        match (ours, theirs == "ok", tx[peer].take(), rx[peer].take()) {
+            (Ok(()), true, Some((_, t)), Some((h, r))) => {
+                links[peer] = Some(ShmLink {
+                    tx: t,
+                    rx: r,
+                    pid: h.pid,
+                    cma: cfg.cma && h.cma,
+                })
+            }
+            (ours, _, _, _) if cfg.kind == TransportKind::Shm => {
+                cleanup(&tx);
+                let why = ours
+                    .err()
+                    .unwrap_or_else(|| "the peer could not map ours".into());
+                return Err(Error::Config(format!(
+                    "DISTCOMM_TRANSPORT=shm, but the shared-memory link between ranks {rank} \
+                     and {peer} failed: {why}"
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(links)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(cap: usize) -> ShmLink {
+        let name = format!("{PREFIX}{}-test-{cap}", std::process::id());
+        let a = create(&name, cap).unwrap();
+        let b = open(&name).unwrap();
+        assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+        // A link whose rx is the same segment as its tx: a loop back to ourselves.
+        ShmLink {
+            tx: a,
+            rx: b,
+            pid: 0,
+            cma: false,
+        }
+    }
+
+    #[test]
+    fn ring_wraps_and_stops_when_full() {
+        let link = pair(4096);
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let mut got = Vec::new();
+        let mut sent = 0;
+        let mut buf = vec![0u8; 1000];
+        while got.len() < data.len() {
+            let (n, _) = link.write(&[IoSlice::new(&data[sent..])]).unwrap();
+            assert!(n <= 4096);
+            sent += n;
+            let (m, _) = link.read(&mut buf).unwrap();
+            got.extend_from_slice(&buf[..m]);
+        }
+        assert_eq!(got, data);
+    }
+
+    #[test]
+    fn sleeping_consumer_asks_for_a_doorbell() {
+        let link = pair(4096);
+        assert!(!link.prepare_sleep(false));
+        let (_, ring) = link.write(&[IoSlice::new(b"x")]).unwrap();
+        assert!(ring, "a sleeping consumer must be rung");
+        let (_, ring) = link.write(&[IoSlice::new(b"y")]).unwrap();
+        assert!(!ring, "one doorbell per sleep");
+        assert!(link.prepare_sleep(false), "data is waiting: do not sleep");
+    }
+
+    #[test]
+    fn corrupt_indices_are_an_error() {
+        let link = pair(4096);
+        link.tx.atomic64(OFF_TAIL).store(1 << 40, Ordering::Relaxed);
+        assert!(link.read(&mut [0u8; 16]).is_err());
+        assert!(link.write(&[IoSlice::new(b"z")]).is_err());
+    }
+
+    #[test]
+    fn cma_reads_our_own_memory() {
+        let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        cma_read(std::process::id() as i32, src.as_ptr() as u64, &mut dst).unwrap();
+        assert_eq!(src, dst);
+    }
+
+    #[test]
+    fn cma_writes_our_own_memory() {
+        let src: Vec<u8> = (0..100_000u32).map(|i| (i * 3) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        cma_write(std::process::id() as i32, dst.as_mut_ptr() as u64, &src).unwrap();
+        assert_eq!(src, dst);
+    }
+
+    #[test]
+    fn foreign_segments_are_refused() {
+        let name = format!("{PREFIX}{}-foreign", std::process::id());
+        std::fs::write(format!("{SHM_DIR}/{name}"), vec![0u8; 8192]).unwrap();
+        assert!(open(&name).is_err());
+    }
+}

@@ -422,9 +422,43 @@ impl ProcessGroup {
         self.inner.members.iter().position(|&m| m == g)
     }
 
-    /// Name of the transport that carries this group's messages.
+    /// Name of the transport that carries this group's messages: `"shm"` or `"tcp"` when
+    /// every link to the other members is of that kind, `"shm+tcp"` when both are in use, and
+    /// `"self"` in a group of one.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// let g = distcomm::init()?;
+    /// println!("rank {} talks over {}", g.rank(), g.transport());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn transport(&self) -> &'static str {
-        "tcp"
+        let me = self.inner.rank;
+        let kinds = self
+            .inner
+            .members
+            .iter()
+            .filter(|&&m| m != me)
+            .map(|&m| self.inner.engine.link_kind(m));
+        let (mut shm, mut tcp) = (false, false);
+        for k in kinds {
+            shm |= k == "shm";
+            tcp |= k == "tcp";
+        }
+        match (shm, tcp) {
+            (true, true) => "shm+tcp",
+            (true, false) => "shm",
+            (false, true) => "tcp",
+            (false, false) => "self",
+        }
+    }
+
+    /// The transport towards group rank `peer` (`"shm"`, `"tcp"` or `"self"`), or `None` if
+    /// there is no such rank.
+    pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
+        let g = *self.inner.members.get(peer)?;
+        Some(self.inner.engine.link_kind(g))
     }
 
     /// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and

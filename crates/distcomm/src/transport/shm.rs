@@ -463,17 +463,25 @@ pub(crate) fn setup(
 ) -> Result<Vec<Option<ShmLink>>> {
     let world = streams.len();
     let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
-    if cfg.kind == TransportKind::Tcp || world <= 1 {
+    if world <= 1 {
         return Ok(links);
     }
     let proto = |peer: usize, detail: String| Error::Protocol { rank, peer, detail };
-    let host = host_identity();
+    // Even a rank that wants TCP says so, so that a peer insisting on shared memory can fail
+    // with a clear error instead of confusing these lines with frames.
+    let host = if cfg.kind == TransportKind::Tcp {
+        None
+    } else {
+        host_identity()
+    };
     if cfg.kind == TransportKind::Shm && host.is_none() {
         return Err(Error::Config(format!(
             "DISTCOMM_TRANSPORT=shm, but {SHM_DIR} or /proc is unavailable here"
         )));
     }
-    sweep_stale();
+    if host.is_some() {
+        sweep_stale();
+    }
     let pid = std::process::id() as i32;
     let mut nonce = [0u8; 4];
     getrandom::getrandom(&mut nonce).map_err(|e| Error::Config(format!("randomness: {e}")))?;
@@ -525,6 +533,8 @@ pub(crate) fn setup(
     // Phase 2: read every peer's hello, map the rings of those on this host.
     let mut rx: Vec<Option<(Hello, Ring)>> = (0..world).map(|_| None).collect();
     let mut verdict: Vec<std::result::Result<(), String>> = vec![Ok(()); world];
+    // Links where either side insists on shared memory.
+    let mut forced = vec![cfg.kind == TransportKind::Shm; world];
     for (peer, s) in streams.iter().enumerate() {
         let Some(s) = s else { continue };
         let line = read_line(s, deadline).map_err(|e| {
@@ -540,17 +550,24 @@ pub(crate) fn setup(
             cleanup(&tx);
             return Err(proto(peer, format!("bad shared-memory hello {line:?}")));
         };
-        let same = host.as_deref().is_some_and(|me| me == h.host) && h.kind != "tcp";
-        if !same {
-            verdict[peer] = Err(format!("rank {peer} is not on this host"));
-            if cfg.kind == TransportKind::Shm || h.kind == "shm" {
+        forced[peer] |= h.kind == "shm";
+        let why_not = if cfg.kind == TransportKind::Tcp || h.kind == "tcp" {
+            Some("one side chose tcp")
+        } else if !host.as_deref().is_some_and(|me| me == h.host) {
+            Some("another host, or no shared memory there")
+        } else {
+            None
+        };
+        if let Some(why) = why_not {
+            if forced[peer] {
                 cleanup(&tx);
                 return Err(Error::Config(format!(
-                    "DISTCOMM_TRANSPORT=shm, but rank {peer} cannot share memory with rank \
-                     {rank} (another host, or it chose {})",
+                    "DISTCOMM_TRANSPORT=shm, but ranks {rank} and {peer} cannot share memory \
+                     ({why}; rank {peer} asked for {})",
                     h.kind
                 )));
             }
+            verdict[peer] = Err(why.into());
             continue;
         }
         if tx[peer].is_none() || !h.seg.starts_with(PREFIX) || h.seg.contains('/') {
@@ -611,7 +628,7 @@ pub(crate) fn setup(
                     cma: cfg.cma && h.cma,
                 })
             }
-            (ours, _, _, _) if cfg.kind == TransportKind::Shm => {
+            (ours, _, _, _) if forced[peer] => {
                 cleanup(&tx);
                 let why = ours
                     .err()

@@ -1839,6 +1839,15 @@ impl Engine {
         self.sh.lock().eager_max
     }
 
+    /// What carries messages to global rank `peer`: `"shm"`, `"tcp"` or `"self"`.
+    pub(crate) fn link_kind(&self, peer: usize) -> &'static str {
+        match self.sh.lock().peers.get(peer) {
+            Some(Some(p)) if p.link.shm.is_some() => "shm",
+            Some(Some(_)) => "tcp",
+            _ => "self",
+        }
+    }
+
     /// Whether the connection to `peer` has failed, and why.
     pub(crate) fn peer_failure(&self, peer: usize) -> Option<String> {
         self.sh.lock().dead_reason(peer)

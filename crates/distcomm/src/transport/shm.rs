@@ -553,7 +553,7 @@ pub(crate) fn setup(
         forced[peer] |= h.kind == "shm";
         let why_not = if cfg.kind == TransportKind::Tcp || h.kind == "tcp" {
             Some("one side chose tcp")
-        } else if !host.as_deref().is_some_and(|me| me == h.host) {
+        } else if host.as_deref().is_none_or(|me| me != h.host) {
             Some("another host, or no shared memory there")
         } else {
             None

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Same-run comparison of distcomm's TCP transport with Open MPI's TCP transport (and,
-optionally, PyTorch gloo) on this machine.
+"""Same-run comparison of distcomm with Open MPI on this machine, transport against transport
+(TCP with TCP, shared memory with shared memory), and optionally PyTorch gloo.
 
-    python3 scripts/compare.py p2p [--reps 5] [--gloo /path/to/venv/bin/python]
-    python3 scripts/compare.py all_reduce --world 4 [--reps 3] [--gloo ...]
+    python3 scripts/compare.py p2p [--transport tcp|shm] [--reps 5] [--gloo /venv/bin/python]
+    python3 scripts/compare.py all_reduce --world 4 [--transport shm] [--sizes 8,1M,64M] [--reps 3]
 
-p2p: 8 B half round trip and 64 MiB ping-pong bandwidth, world 2.
-all_reduce: time at 8 B and bus bandwidth at 64 MiB, world N.
+p2p: half round trip and ping-pong bandwidth, world 2. all_reduce: time and bus bandwidth, world
+N. Every size in --sizes (default 8,64M) gets both columns.
 
 Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev`) and ../shared/bench/mpi_bench.c.
 Runs are interleaved (MPI, distcomm, MPI, ...) and the median over repetitions is reported.
@@ -23,12 +23,14 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "..", "shared", "bench")
-BIG = 64 << 20
 
 
-def mpi_run(exe, world, op):
+BTL = {"tcp": "tcp,self", "shm": "vader,self"}
+
+
+def mpi_run(exe, world, op, transport):
     out = subprocess.run(
-        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "tcp,self",
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", BTL[transport],
          "-n", str(world), exe], capture_output=True, text=True, check=True).stdout
     res = {}
     for line in out.splitlines():
@@ -39,10 +41,11 @@ def mpi_run(exe, world, op):
     return res
 
 
-def ours_run(distcomm, world, suite):
+def ours_run(distcomm, world, suite, transport, sizes):
+    env = dict(os.environ, DISTCOMM_TRANSPORT=transport)
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        subprocess.run([distcomm, "bench", suite, "-n", str(world), "--sizes", "8,64M",
-                        "--json", tmp.name], capture_output=True, check=True)
+        subprocess.run([distcomm, "bench", suite, "-n", str(world), "--sizes", sizes,
+                        "--json", tmp.name], capture_output=True, check=True, env=env)
         recs = json.load(open(tmp.name))
     op = "pingpong" if suite == "p2p" else suite
     return {r["bytes"]: (r["time_us"], r["busbw_gbs"]) for r in recs if r["op"] == op}
@@ -65,6 +68,8 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gloo", help="python with torch, to run gloo_bench.py once")
+    ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
+    ap.add_argument("--sizes", default="8,64M", help="sizes known to mpi_bench (8,1K,64K,1M,16M,64M)")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "distcomm-cli"], cwd=ROOT, check=True)
     distcomm = os.path.join(ROOT, "target", "release", "distcomm")
@@ -74,24 +79,29 @@ def main():
     world = 2 if a.suite == "p2p" else a.world
     mpi, ours = [], []
     for _ in range(a.reps):
-        mpi.append(mpi_run(mpi_exe, world, mop))
-        ours.append(ours_run(distcomm, world, a.suite))
+        mpi.append(mpi_run(mpi_exe, world, mop, a.transport))
+        ours.append(ours_run(distcomm, world, a.suite, a.transport, a.sizes))
     med = lambda runs, size, i: statistics.median(r[size][i] for r in runs)
-    small = ("8 B half round trip (us)" if a.suite == "p2p" else "8 B all_reduce time (us)")
-    big = ("64 MiB ping-pong bandwidth (GB/s)" if a.suite == "p2p" else "64 MiB all_reduce busbw (GB/s)")
-    rows = [(small, med(ours, 8, 0), med(mpi, 8, 0)), (big, med(ours, BIG, 1), med(mpi, BIG, 1))]
     gloo = gloo_run(a.gloo, world, mop) if a.gloo else None
-    print(f"world {world}, {a.reps} interleaved runs each")
-    head = f"{'metric':<36}{'distcomm':>10}{'OMPI tcp':>10}{'ratio':>8}"
+    sizes = sorted(ours[0])
+    what = "half round trip" if a.suite == "p2p" else "all_reduce time"
+    bw = "ping-pong bandwidth" if a.suite == "p2p" else "all_reduce busbw"
+    print(f"world {world}, {a.transport}, {a.reps} interleaved runs each (medians)")
+    head = f"{'metric':<40}{'distcomm':>10}{'OMPI ' + a.transport:>10}{'ratio':>8}"
     if gloo:
         head += f"{'gloo':>10}{'ratio':>8}"
     print(head)
-    for i, (name, o, m) in enumerate(rows):
-        line = f"{name:<36}{o:>10.3f}{m:>10.3f}{o / m:>7.2f}x"
-        if gloo:
-            g = gloo[8][0] if i == 0 else gloo[BIG][1]
-            line += f"{g:>10.3f}{o / g:>7.2f}x"
-        print(line)
+    for size in sizes:
+        label = f"{size} B" if size < 1024 else (f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB")
+        for i, name in ((0, f"{label} {what} (us)"), (1, f"{label} {bw} (GB/s)")):
+            if i == 1 and size < 1024:
+                continue
+            o, m = med(ours, size, i), med(mpi, size, i)
+            line = f"{name:<40}{o:>10.3f}{m:>10.3f}{(o / m if m else 0):>7.2f}x"
+            if gloo and size in gloo:
+                g = gloo[size][i]
+                line += f"{g:>10.3f}{(o / g if g else 0):>7.2f}x"
+            print(line)
     return 0
 
 

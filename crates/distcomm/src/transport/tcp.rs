@@ -262,7 +262,10 @@ enum Fill {
 }
 
 impl Peer {
-    fn fill(&mut self) -> std::result::Result<Fill, String> {
+    /// Reads into the receive buffer: from a socket as much as fits (one system call for many
+    /// frames), from a shared-memory ring only the `want` bytes needed now (the rest is best
+    /// copied straight to its destination).
+    fn fill(&mut self, want: usize) -> std::result::Result<Fill, String> {
         if self.rx_start == self.rx_end {
             self.rx_start = 0;
             self.rx_end = 0;
@@ -271,7 +274,12 @@ impl Peer {
             self.rx_end -= self.rx_start;
             self.rx_start = 0;
         }
-        let r = self.link.read(&mut self.rxbuf[self.rx_end..])?;
+        let end = if self.link.shm.is_some() {
+            (self.rx_end + want).min(self.rxbuf.len())
+        } else {
+            self.rxbuf.len()
+        };
+        let r = self.link.read(&mut self.rxbuf[self.rx_end..end])?;
         if let Fill::Got(n) = r {
             self.rx_end += n;
         }
@@ -1001,7 +1009,8 @@ impl State {
                     if budget == 0 {
                         return Ok(progressed);
                     }
-                    match peer.fill()? {
+                    let want = HEADER_LEN - (peer.rx_end - peer.rx_start);
+                    match peer.fill(want)? {
                         Fill::Got(n) => budget = budget.saturating_sub(n),
                         Fill::Empty => return Ok(progressed),
                     }
@@ -1038,16 +1047,17 @@ impl State {
                         peer.rx = Rx::Payload { hdr, target, got };
                         return Ok(progressed);
                     }
-                    let r = if dst.len() >= RXBUF / 2 {
-                        peer.link.read(dst).map(|f| {
-                            if let Fill::Got(n) = f {
-                                got += n;
-                            }
-                            f
-                        })
-                    } else {
-                        peer.fill()
-                    };
+                    let r =
+                        if dst.len() >= RXBUF / 2 || (peer.link.shm.is_some() && !dst.is_empty()) {
+                            peer.link.read(dst).map(|f| {
+                                if let Fill::Got(n) = f {
+                                    got += n;
+                                }
+                                f
+                            })
+                        } else {
+                            peer.fill(total - got)
+                        };
                     let r = match r {
                         Ok(r) => r,
                         Err(e) => {
@@ -1866,7 +1876,12 @@ impl Engine {
                 self.sh.poke();
             }
             // Spin while things move; sleep after `spin` without any progress.
+            // Reading the clock costs as much as a turn of the loop: read it every few turns,
+            // and note only whether anything moved in between.
+            const CLOCK_EVERY: u32 = 32;
             let mut idle_since = Instant::now();
+            let mut moved_since_clock = false;
+            let mut turns = 0u32;
             let mut fds = Vec::new();
             let mut owners = Vec::new();
             loop {
@@ -1886,14 +1901,20 @@ impl Engine {
                     } else {
                         st.pump_shm(false)
                     };
-                    if moved {
-                        idle_since = Instant::now();
-                    }
+                    moved_since_clock |= moved;
                 }
                 if cell.is_done() {
                     break;
                 }
+                turns = turns.wrapping_add(1);
+                if !self.sh.yield_spin && turns % CLOCK_EVERY != 0 {
+                    std::hint::spin_loop();
+                    continue;
+                }
                 let now = Instant::now();
+                if std::mem::take(&mut moved_since_clock) {
+                    idle_since = now;
+                }
                 // Once both sides are engaged in a large transfer, a pause is the TCP window
                 // refilling, not an absent peer: sleeping there would halve the bandwidth.
                 let budget = if cell.is_active() {

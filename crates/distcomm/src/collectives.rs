@@ -296,7 +296,7 @@ impl Inner {
                 all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
                 all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
                 all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));
-                wait_all(&mut all, deadline)?;
+                wait_all(&mut all, deadline, self.timeout)?;
             }
             for (w, range, reduce) in recvs {
                 let data = w.into_buffer()?;
@@ -653,7 +653,7 @@ impl<B: 'static> Pending for Work<B> {
 /// Waits until every operation succeeded, returning the first failure as soon as it is seen
 /// (within a few milliseconds) rather than after waiting for operations that precede it: a peer
 /// that refuses our message must not leave us waiting for its reply until the deadline.
-fn wait_all(ops: &mut [&mut dyn Pending], deadline: Instant) -> Result<()> {
+fn wait_all(ops: &mut [&mut dyn Pending], deadline: Instant, timeout: Duration) -> Result<()> {
     const SLICE: Duration = Duration::from_millis(2);
     loop {
         for op in ops.iter_mut() {
@@ -668,6 +668,15 @@ fn wait_all(ops: &mut [&mut dyn Pending], deadline: Instant) -> Result<()> {
         match first.wait_for(left.min(SLICE)) {
             Ok(()) => {}
             Err(e) if e.is_timeout() && !left.is_zero() => {}
+            // The deadline of the whole call passed: say how long it was, not the last slice.
+            Err(Error::Timeout { op, rank, peer, .. }) => {
+                return Err(Error::Timeout {
+                    op,
+                    rank,
+                    peer,
+                    after: timeout,
+                })
+            }
             Err(e) => return Err(e),
         }
     }

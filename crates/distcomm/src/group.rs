@@ -198,11 +198,11 @@ impl GroupBuilder {
                 rank: self.rank,
                 ctx: 0,
                 timeout,
-                coll_seq: AtomicU32::new(0),
+                coll_seq: Default::default(),
                 groups: Arc::new(AtomicU32::new(0)),
-                worker: Mutex::new(None),
+                worker: Default::default(),
                 pool: Default::default(),
-                log: crate::commslog::CommsLog::from_env(),
+                log: Arc::new(crate::commslog::CommsLog::from_env()),
                 keep: Arc::new(Keep {
                     _store: store,
                     _server: server,
@@ -293,6 +293,9 @@ struct Keep {
 
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
+/// Everything a group handle refers to. Handles made by [`ProcessGroup::with_timeout`] share
+/// all of it but the timeout.
+#[derive(Clone)]
 pub(crate) struct Inner {
     pub(crate) engine: Arc<Engine>,
     /// Group rank -> global rank.
@@ -303,15 +306,15 @@ pub(crate) struct Inner {
     pub(crate) ctx: u32,
     pub(crate) timeout: Duration,
     /// Sequence number of the next collective: its tag.
-    pub(crate) coll_seq: AtomicU32,
+    pub(crate) coll_seq: Arc<AtomicU32>,
     /// Job-wide count of subgroups created, to give each its own contexts.
     groups: Arc<AtomicU32>,
     /// Runs this group's asynchronous collectives in issue order.
-    pub(crate) worker: Mutex<Option<mpsc::Sender<Job>>>,
+    pub(crate) worker: Arc<Mutex<Option<mpsc::Sender<Job>>>>,
     /// Scratch buffers of collectives, reused so that large ones are not faulted in anew.
-    pub(crate) pool: crate::collectives::Pool,
+    pub(crate) pool: Arc<crate::collectives::Pool>,
     /// Opt-in per-op statistics.
-    pub(crate) log: crate::commslog::CommsLog,
+    pub(crate) log: Arc<crate::commslog::CommsLog>,
     keep: Arc<Keep>,
 }
 
@@ -415,6 +418,30 @@ impl ProcessGroup {
     /// Global (world) rank of group rank `r`.
     pub fn global_rank(&self, r: usize) -> Option<usize> {
         self.inner.members.get(r).copied()
+    }
+
+    /// A handle on the same group (same members, same sequence of collectives: it is the
+    /// group, not a copy) whose blocking calls and `Work::wait` use `timeout` instead of the
+    /// group's default: the per-call deadline of collectives.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// use std::time::Duration;
+    /// let g = distcomm::init()?;
+    /// let mut grads = vec![1.0f32; 1 << 20];
+    /// // This one call may take at most 5 seconds; a hung peer is then a Timeout naming it.
+    /// g.with_timeout(Duration::from_secs(5))
+    ///     .all_reduce(&mut grads, distcomm::ReduceOp::Sum)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_timeout(&self, timeout: Duration) -> ProcessGroup {
+        ProcessGroup {
+            inner: Arc::new(Inner {
+                timeout,
+                ..(*self.inner).clone()
+            }),
+        }
     }
 
     /// Group rank of global rank `g`, if it is a member.
@@ -526,11 +553,11 @@ impl ProcessGroup {
                         detail: "too many groups".into(),
                     })?,
                 timeout: self.inner.timeout,
-                coll_seq: AtomicU32::new(0),
+                coll_seq: Default::default(),
                 groups: self.inner.groups.clone(),
-                worker: Mutex::new(None),
+                worker: Default::default(),
                 pool: Default::default(),
-                log: crate::commslog::CommsLog::from_env(),
+                log: Arc::new(crate::commslog::CommsLog::from_env()),
                 keep: self.inner.keep.clone(),
             }),
         }))

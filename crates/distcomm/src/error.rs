@@ -84,6 +84,10 @@ pub enum Error {
     /// The store peer broke the protocol or sent something out of bounds.
     #[error("store protocol error: {0}")]
     StoreProtocol(String),
+    /// The store (authenticated mode) and this process do not share the job secret, or the
+    /// store does not authenticate at all (a PyTorch store).
+    #[error("store {addr}: authentication failed: {detail}")]
+    StoreAuth { addr: String, detail: String },
     /// A connection failed authentication (missing or different job secret).
     #[error("rank {rank}: authentication with rank {peer} failed: {detail}")]
     Auth {

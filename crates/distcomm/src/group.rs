@@ -49,6 +49,7 @@ pub struct GroupBuilder {
     timeout: Option<Duration>,
     secret: Option<Vec<u8>>,
     transport: Option<TransportKind>,
+    store_auth: Option<bool>,
 }
 
 impl GroupBuilder {
@@ -64,6 +65,7 @@ impl GroupBuilder {
             timeout: None,
             secret: None,
             transport: None,
+            store_auth: None,
         }
     }
 
@@ -112,6 +114,15 @@ impl GroupBuilder {
         self
     }
 
+    /// Whether the rendezvous store runs in its authenticated mode (default:
+    /// `DISTCOMM_STORE_AUTH=1`): every store connection proves the job secret first. Needs a
+    /// secret, and a store that is distcomm's (hosted by rank 0 or by `distcomm launch`):
+    /// PyTorch's store and clients cannot authenticate.
+    pub fn store_auth(mut self, on: bool) -> Self {
+        self.store_auth = Some(on);
+        self
+    }
+
     /// Ranks on this host (decides whether waiters may spin). Defaults to the world size.
     pub fn local_world(mut self, n: usize) -> Self {
         self.local_world = Some(n);
@@ -131,6 +142,26 @@ impl GroupBuilder {
             None => env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
         };
         let (host, _) = split_host_port(&self.store_addr)?;
+        let secret = match &self.secret {
+            Some(s) => Some(s.clone()),
+            None => std::env::var("DISTCOMM_SECRET")
+                .ok()
+                .filter(|s| !s.is_empty())
+                .map(String::into_bytes),
+        };
+        let store_auth = match self.store_auth {
+            Some(on) => on,
+            None => env_flag("DISTCOMM_STORE_AUTH")?,
+        };
+        let store_secret = match (store_auth, &secret) {
+            (false, _) => None,
+            (true, Some(s)) => Some(s.as_slice()),
+            (true, None) => {
+                return Err(Error::Config(
+                    "DISTCOMM_STORE_AUTH=1 needs a job secret (DISTCOMM_SECRET)".into(),
+                ))
+            }
+        };
         let server = if self.host_store.unwrap_or(self.rank == 0) {
             let ip = advertise_ip(&host)?;
             let bind_host = if ip.is_loopback() {
@@ -139,22 +170,22 @@ impl GroupBuilder {
                 "0.0.0.0"
             };
             let (_, port) = split_host_port(&self.store_addr)?;
-            Some(TcpStoreServer::bind(&format!("{bind_host}:{port}"))?)
+            let bind = format!("{bind_host}:{port}");
+            Some(match store_secret {
+                Some(s) => TcpStoreServer::bind_authenticated(&bind, s)?,
+                None => TcpStoreServer::bind(&bind)?,
+            })
         } else {
             None
         };
-        let client: Arc<dyn Store> = Arc::new(TcpStore::connect(&self.store_addr, timeout)?);
+        let client: Arc<dyn Store> = Arc::new(match store_secret {
+            Some(s) => TcpStore::connect_authenticated(&self.store_addr, timeout, s)?,
+            None => TcpStore::connect(&self.store_addr, timeout)?,
+        });
         // torch's worker count: lets a torch-style host see everyone join.
         client.add("init/", 1)?;
         let store = PrefixStore::new("distcomm", client);
         let ip: IpAddr = advertise_ip(&host)?;
-        let secret = match &self.secret {
-            Some(s) => Some(s.clone()),
-            None => std::env::var("DISTCOMM_SECRET")
-                .ok()
-                .filter(|s| !s.is_empty())
-                .map(String::into_bytes),
-        };
         let streams = connect_mesh(
             &store,
             self.rank,
@@ -223,6 +254,18 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
             .map(Some)
             .map_err(|_| Error::Config(format!("{name}={v:?} is not a whole number"))),
         _ => Ok(None),
+    }
+}
+
+/// A yes/no setting: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (unset: no).
+pub(crate) fn env_flag(name: &str) -> Result<bool> {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "0" | "false" | "no" | "off" => Ok(false),
+            "1" | "true" | "yes" | "on" => Ok(true),
+            _ => Err(Error::Config(format!("{name}={v:?}: expected 1 or 0"))),
+        },
+        Err(_) => Ok(false),
     }
 }
 

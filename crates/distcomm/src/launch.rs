@@ -155,14 +155,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
         )));
     }
     let loopback = matches!(cfg.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1");
-    let (server, port) = if cfg.node_rank == 0 {
-        let bind = if loopback { "127.0.0.1" } else { "0.0.0.0" };
-        let s = TcpStoreServer::bind(&format!("{bind}:{}", cfg.master_port))?;
-        let p = s.local_addr().port();
-        (Some(s), p)
-    } else {
-        (None, cfg.master_port)
-    };
     let world = cfg.nproc * cfg.nnodes;
     // A job secret for the transport handshake: the caller's, or a fresh one on a single node
     // (several nodes must share one: set DISTCOMM_SECRET on every launcher).
@@ -181,6 +173,31 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             eprintln!("distcomm launch: no DISTCOMM_SECRET set for a multi-node job; connections will not be authenticated");
             None
         }
+    };
+    let store_auth = crate::group::env_flag("DISTCOMM_STORE_AUTH")?
+        || cfg
+            .env
+            .iter()
+            .any(|(k, v)| k == "DISTCOMM_STORE_AUTH" && v == "1");
+    let (server, port) = if cfg.node_rank == 0 {
+        let bind = format!(
+            "{}:{}",
+            if loopback { "127.0.0.1" } else { "0.0.0.0" },
+            cfg.master_port
+        );
+        let s = match (&secret, store_auth) {
+            (Some(secret), true) => TcpStoreServer::bind_authenticated(&bind, secret.as_bytes())?,
+            (None, true) => {
+                return Err(Error::Config(
+                    "DISTCOMM_STORE_AUTH=1 needs a job secret: set DISTCOMM_SECRET".into(),
+                ))
+            }
+            (_, false) => TcpStoreServer::bind(&bind)?,
+        };
+        let p = s.local_addr().port();
+        (Some(s), p)
+    } else {
+        (None, cfg.master_port)
     };
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();

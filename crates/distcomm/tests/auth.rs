@@ -79,3 +79,76 @@ fn a_rank_without_the_secret_is_refused() {
         || rank1_with_secret(None),
     );
 }
+
+#[test]
+fn an_authenticated_store_serves_ranks_that_know_the_secret() {
+    run_env(
+        "an_authenticated_store_serves_ranks_that_know_the_secret",
+        &[2, 3],
+        &[("DISTCOMM_STORE_AUTH", "1")],
+        |g| {
+            let mut x = [2i64];
+            g.all_reduce(&mut x, distcomm::ReduceOp::Sum).unwrap();
+            assert_eq!(x[0] as usize, 2 * g.size());
+        },
+    );
+}
+
+mod store_auth {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    use distcomm::rendezvous::{proto, Store, TcpStore, TcpStoreServer};
+    use distcomm::Error;
+
+    const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn the_secret_opens_it_and_nothing_else_does() {
+        let server = TcpStoreServer::bind_authenticated("127.0.0.1:0", b"s3cret").unwrap();
+        let addr = server.local_addr().to_string();
+        let ok = TcpStore::connect_authenticated(&addr, T, b"s3cret").unwrap();
+        ok.set("k", b"v").unwrap();
+        match TcpStore::connect_authenticated(&addr, T, b"guess") {
+            Err(Error::StoreAuth { detail, .. }) => assert!(detail.contains("secret"), "{detail}"),
+            other => panic!("wrong secret: {other:?}"),
+        }
+        // A plain (PyTorch-style) client is refused at once, before any command runs.
+        let t = Instant::now();
+        assert!(TcpStore::connect(&addr, T).is_err());
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        // Nothing the strangers did reached the data.
+        assert_eq!(ok.get("k").unwrap(), b"v");
+        assert_eq!(ok.num_keys().unwrap(), 1);
+    }
+
+    #[test]
+    fn a_raw_stranger_gets_nothing_back() {
+        let server = TcpStoreServer::bind_authenticated("127.0.0.1:0", b"s3cret").unwrap();
+        let mut s = TcpStream::connect(server.local_addr()).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        // torch's validation, then a GET of "k" (u64 length-prefixed key).
+        let mut msg = vec![proto::VALIDATE];
+        msg.extend_from_slice(&proto::MAGIC.to_le_bytes());
+        msg.push(proto::GET);
+        msg.extend_from_slice(&1u64.to_le_bytes());
+        msg.push(b'k');
+        let _ = s.write_all(&msg);
+        let mut buf = [0u8; 16];
+        assert!(
+            matches!(s.read(&mut buf), Ok(0) | Err(_)),
+            "the server answered a stranger"
+        );
+    }
+
+    #[test]
+    fn an_authenticating_client_refuses_a_plain_store() {
+        let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().to_string();
+        assert!(matches!(
+            TcpStore::connect_authenticated(&addr, T, b"s3cret"),
+            Err(Error::StoreAuth { .. })
+        ));
+    }
+}

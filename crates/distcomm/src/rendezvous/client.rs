@@ -41,6 +41,18 @@ impl TcpStore {
     /// up yet), validates the connection and checks it with a ping. `timeout` is also the default
     /// for blocking calls.
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore> {
+        Self::connect_with(addr, timeout, None)
+    }
+
+    /// Like [`connect`](Self::connect), to a server in the authenticated mode
+    /// ([`TcpStoreServer::bind_authenticated`](super::TcpStoreServer::bind_authenticated)):
+    /// both sides prove `secret` before the first command. A server that does not know it (or
+    /// does not authenticate) is [`Error::StoreAuth`].
+    pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &[u8]) -> Result<TcpStore> {
+        Self::connect_with(addr, timeout, Some(secret))
+    }
+
+    fn connect_with(addr: &str, timeout: Duration, secret: Option<&[u8]>) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Duration::from_millis(5);
         let stream = loop {
@@ -69,6 +81,12 @@ impl TcpStore {
             }
         };
         stream.set_nodelay(true).map_err(io_err(addr, "nodelay"))?;
+        if let Some(secret) = secret {
+            super::auth::client(&stream, secret).map_err(|e| Error::StoreAuth {
+                addr: addr.to_string(),
+                detail: e.to_string(),
+            })?;
+        }
         let writer = stream.try_clone().map_err(io_err(addr, "clone socket"))?;
         let store = TcpStore {
             conn: Mutex::new(Conn {

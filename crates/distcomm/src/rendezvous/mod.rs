@@ -6,9 +6,15 @@
 //! * [`TcpStoreServer`]: the server (thread per connection);
 //! * [`PrefixStore`]: namespacing over any [`Store`].
 //!
-//! The store is not authenticated: PyTorch clients cannot authenticate, and compatibility with
-//! them is the point of this protocol. Keep the store port on a trusted network.
+//! By default the store is not authenticated: PyTorch clients cannot authenticate, and
+//! compatibility with them is the point of this protocol, so keep the store port on a trusted
+//! network (a job whose ranks are all local listens on loopback only). Jobs made only of
+//! distcomm ranks can turn on the authenticated mode (`DISTCOMM_STORE_AUTH=1`,
+//! [`TcpStoreServer::bind_authenticated`], [`TcpStore::connect_authenticated`]): every
+//! connection then proves the job secret (HMAC-SHA256, both ways) before its first command, and
+//! torch clients are refused.
 
+mod auth;
 mod client;
 mod prefix;
 pub mod proto;

@@ -28,6 +28,8 @@ struct Shared {
     changed: Condvar,
     stop: AtomicBool,
     clients: Mutex<HashMap<u64, TcpStream>>,
+    /// The job secret every client must prove (authenticated mode), if any.
+    secret: Option<Vec<u8>>,
 }
 
 impl Shared {
@@ -55,6 +57,31 @@ pub struct TcpStoreServer {
 impl TcpStoreServer {
     /// Listens on `addr` (`host:port`; port 0 picks a free one) and serves in the background.
     pub fn bind(addr: &str) -> Result<TcpStoreServer> {
+        Self::bind_with(addr, None)
+    }
+
+    /// Like [`bind`](Self::bind), in the authenticated mode: every connection must prove
+    /// `secret` before its first command ([`TcpStore::connect_authenticated`]); PyTorch
+    /// clients, which cannot, are refused.
+    ///
+    /// ```
+    /// use distcomm::rendezvous::{Store, TcpStore, TcpStoreServer};
+    /// use std::time::Duration;
+    /// # fn main() -> distcomm::Result<()> {
+    /// let server = TcpStoreServer::bind_authenticated("127.0.0.1:0", b"job secret")?;
+    /// let addr = server.local_addr().to_string();
+    /// let store = TcpStore::connect_authenticated(&addr, Duration::from_secs(5), b"job secret")?;
+    /// store.set("k", b"v")?;
+    /// assert!(TcpStore::connect_authenticated(&addr, Duration::from_secs(5), b"guess").is_err());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`TcpStore::connect_authenticated`]: super::TcpStore::connect_authenticated
+    pub fn bind_authenticated(addr: &str, secret: &[u8]) -> Result<TcpStoreServer> {
+        Self::bind_with(addr, Some(secret.to_vec()))
+    }
+
+    fn bind_with(addr: &str, secret: Option<Vec<u8>>) -> Result<TcpStoreServer> {
         let sa = addr
             .to_socket_addrs()
             .map_err(|e| Error::io(format!("resolve store address {addr}"), e))?
@@ -73,6 +100,7 @@ impl TcpStoreServer {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
+            secret,
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -163,6 +191,10 @@ fn readable(stream: &TcpStream) -> bool {
 }
 
 fn serve(stream: &TcpStream, sh: &Shared) -> io::Result<()> {
+    if let Some(secret) = &sh.secret {
+        // Strangers (torch clients included) fail here, before any command is read.
+        super::auth::server(stream, secret)?;
+    }
     let mut w = stream;
     let mut r = BufReader::new(stream);
     // Refuse on the first byte: a stranger's other command could keep us waiting for its body.

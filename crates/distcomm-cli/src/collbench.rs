@@ -105,7 +105,9 @@ pub fn run_op(
     if check {
         verify(g, op, &mut x)?;
     }
-    let iters = ((256usize << 20) / size.max(1)).clamp(5, 1000);
+    // Enough iterations that a small op's loop lasts milliseconds: one scheduler hiccup in a
+    // sub-millisecond loop moves a mean of half a microsecond by several.
+    let iters = ((256usize << 20) / size.max(1)).clamp(5, 20_000);
     for _ in 0..2 {
         once(g, op, &mut x)?;
     }

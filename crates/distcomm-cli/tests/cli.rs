@@ -46,7 +46,14 @@ fn bench_under_launch_writes_json_records() {
             assert!(r.get(key).is_some(), "record lacks {key}: {r}");
         }
         assert_eq!(r["world"], 3);
-        assert_eq!(r["transport"], "tcp");
+        assert_eq!(
+            r["transport"],
+            if cfg!(target_os = "linux") {
+                "shm"
+            } else {
+                "tcp"
+            }
+        );
         assert!(r["time_us"].as_f64().unwrap() > 0.0);
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::dtype::{DType, Element};
 use crate::env::JobEnv;
 use crate::error::{Error, Result};
+use crate::intranode::{self, Arena, ArenaConfig};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::{Engine, EngineConfig, Envelope};
@@ -221,11 +222,27 @@ impl GroupBuilder {
             yield_spin: oversubscribed,
             sockbuf,
         };
+        let all_shm = links
+            .iter()
+            .enumerate()
+            .all(|(p, l)| p == self.rank || l.is_some());
         let engine = Engine::start(self.rank, streams, links, cfg)?;
+        let members: Arc<Vec<usize>> = Arc::new((0..self.world).collect());
+        let arena_cfg = ArenaConfig {
+            enabled: env_u64("DISTCOMM_SHM_ALLREDUCE")? != Some(0),
+            chunk: env_u64("DISTCOMM_SHM_ARENA_CHUNK")?
+                .map_or(intranode::DEFAULT_CHUNK, |b| {
+                    (b as usize).clamp(4096, 1 << 30)
+                })
+                .next_multiple_of(64),
+            oversubscribed,
+        };
+        let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
         let group = ProcessGroup {
             inner: Arc::new(Inner {
                 engine,
-                members: Arc::new((0..self.world).collect()),
+                members,
+                arena,
                 rank: self.rank,
                 ctx: 0,
                 timeout,
@@ -350,6 +367,8 @@ pub(crate) struct Inner {
     pub(crate) timeout: Duration,
     /// Sequence number of the next collective: its tag.
     pub(crate) coll_seq: Arc<AtomicU32>,
+    /// The shared-memory arena of intra-node all_reduce (world group, all ranks on one host).
+    pub(crate) arena: Option<Arc<Arena>>,
     /// Job-wide count of subgroups created, to give each its own contexts.
     groups: Arc<AtomicU32>,
     /// Runs this group's asynchronous collectives in issue order.
@@ -524,6 +543,13 @@ impl ProcessGroup {
         }
     }
 
+    /// Whether `all_reduce` on this group runs through the shared-memory arena (every rank of
+    /// the world group on one host, over shared memory; see `DISTCOMM_SHM_ALLREDUCE`). A failed
+    /// arena call turns it off for the rest of the group's life.
+    pub fn intranode_all_reduce(&self) -> bool {
+        self.inner.arena.as_ref().is_some_and(|a| a.usable())
+    }
+
     /// The transport towards group rank `peer` (`"shm"`, `"tcp"` or `"self"`), or `None` if
     /// there is no such rank.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
@@ -597,6 +623,7 @@ impl ProcessGroup {
                     })?,
                 timeout: self.inner.timeout,
                 coll_seq: Default::default(),
+                arena: None,
                 groups: self.inner.groups.clone(),
                 worker: Default::default(),
                 pool: Default::default(),

@@ -33,6 +33,11 @@ pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod group;
+#[cfg(target_os = "linux")]
+mod intranode;
+#[cfg(not(target_os = "linux"))]
+#[path = "intranode_stub.rs"]
+mod intranode;
 pub mod launch;
 pub mod reduce;
 pub mod rendezvous;

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{is_rank, run, run_raw};
+use common::{is_rank, run, run_env, run_raw};
 use distcomm::launch::{launch, LaunchConfig};
 use distcomm::{Error, GroupBuilder, ProcessGroup, ReduceOp, TransportKind};
 
@@ -207,4 +207,54 @@ fn world_of_8_on_two_cores_stays_usable() {
         }
         g.barrier().unwrap();
     });
+}
+
+#[test]
+fn all_reduce_takes_the_arena_until_a_call_fails() {
+    run(
+        "all_reduce_takes_the_arena_until_a_call_fails",
+        &[2, 3, 4],
+        |g| {
+            assert!(
+                g.intranode_all_reduce(),
+                "all ranks are local: the arena must be on"
+            );
+            let n = g.size() as i64;
+            // Async and blocking calls interleaved: they must enter the arena in issue order.
+            let a = g
+                .all_reduce_async(vec![1i64; 100_000], ReduceOp::Sum)
+                .unwrap();
+            let mut b = vec![2i64; 10];
+            g.all_reduce(&mut b, ReduceOp::Max).unwrap();
+            assert_eq!(b, vec![2; 10]);
+            assert_eq!(a.into_buffer().unwrap(), vec![n; 100_000]);
+            // A desync (different counts) fails on every rank and turns the arena off...
+            let mut bad = vec![1f32; 5 + g.rank()];
+            assert!(matches!(
+                g.all_reduce(&mut bad, ReduceOp::Sum),
+                Err(Error::Desync { .. })
+            ));
+            g.barrier().unwrap();
+            assert!(!g.intranode_all_reduce());
+            // ...and all_reduce keeps working over the network algorithms.
+            let mut c = vec![3i32; 1000];
+            g.all_reduce(&mut c, ReduceOp::Sum).unwrap();
+            assert_eq!(c, vec![3 * n as i32; 1000]);
+        },
+    );
+}
+
+#[test]
+fn the_arena_can_be_turned_off() {
+    run_env(
+        "the_arena_can_be_turned_off",
+        &[2],
+        &[("DISTCOMM_SHM_ALLREDUCE", "0")],
+        |g| {
+            assert!(!g.intranode_all_reduce());
+            let mut x = [1u8; 3];
+            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [2; 3]);
+        },
+    );
 }

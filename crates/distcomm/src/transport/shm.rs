@@ -339,8 +339,8 @@ fn segment_len(cap: usize) -> usize {
     OFF_DATA + cap
 }
 
-/// Creates and maps our outbound ring for `peer`.
-fn create(name: &str, cap: usize) -> io::Result<Ring> {
+/// Creates segment `name` of `len` bytes (only for us: mode 0600) and maps it.
+fn map_new(name: &str, len: usize) -> io::Result<MmapRaw> {
     let path = format!("{SHM_DIR}/{name}");
     let file = OpenOptions::new()
         .read(true)
@@ -349,17 +349,36 @@ fn create(name: &str, cap: usize) -> io::Result<Ring> {
         .mode(0o600)
         .open(&path)?;
     let made = file
-        .set_len(segment_len(cap) as u64)
+        .set_len(len as u64)
         .and_then(|()| MmapRaw::map_raw(&file));
-    let map = match made {
-        Ok(m) => m,
-        Err(e) => {
-            let _ = std::fs::remove_file(&path);
-            return Err(e);
-        }
-    };
+    if made.is_err() {
+        let _ = std::fs::remove_file(&path);
+    }
+    made
+}
+
+/// Maps the existing segment `name` (and with `unlink`, removes its name); returns the mapping
+/// and its length.
+fn map_existing(name: &str, unlink: bool) -> io::Result<(MmapRaw, usize)> {
+    if !name.starts_with(PREFIX) || name.contains('/') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{name:?} is not a distcomm segment"),
+        ));
+    }
+    let path = format!("{SHM_DIR}/{name}");
+    let file: File = OpenOptions::new().read(true).write(true).open(&path)?;
+    if unlink {
+        let _ = std::fs::remove_file(&path);
+    }
+    let len = file.metadata()?.len() as usize;
+    Ok((MmapRaw::map_raw(&file)?, len))
+}
+
+/// Creates and maps our outbound ring for `peer`.
+fn create(name: &str, cap: usize) -> io::Result<Ring> {
     let ring = Ring {
-        map,
+        map: map_new(name, segment_len(cap))?,
         cap: cap as u64,
     };
     ring.atomic64(OFF_CAP).store(cap as u64, Ordering::Relaxed);
@@ -369,15 +388,11 @@ fn create(name: &str, cap: usize) -> io::Result<Ring> {
 
 /// Maps the peer's ring `name`, checks its header, and unlinks the name.
 fn open(name: &str) -> io::Result<Ring> {
-    let path = format!("{SHM_DIR}/{name}");
-    let file: File = OpenOptions::new().read(true).write(true).open(&path)?;
-    let _ = std::fs::remove_file(&path);
-    let len = file.metadata()?.len() as usize;
+    let (map, len) = map_existing(name, true)?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     if len < OFF_DATA {
         return Err(bad(format!("segment {name} is only {len} bytes")));
     }
-    let map = MmapRaw::map_raw(&file)?;
     let ring = Ring { map, cap: 0 };
     let magic = ring.atomic64(OFF_MAGIC).load(Ordering::Acquire);
     let cap = ring.atomic64(OFF_CAP).load(Ordering::Relaxed);
@@ -387,6 +402,86 @@ fn open(name: &str) -> io::Result<Ring> {
         )));
     }
     Ok(Ring { cap, ..ring })
+}
+
+/// A shared memory region every rank of a group maps (the arena of intra-node collectives):
+/// atomic words for synchronisation and byte ranges for data. What may be accessed when is
+/// the user's protocol; this type only keeps every access inside the mapping.
+pub(crate) struct Region {
+    map: MmapRaw,
+    len: usize,
+}
+
+impl Region {
+    /// Creates segment `name` of `len` bytes for the group (named per job: see the module).
+    pub fn create(len: usize) -> io::Result<(Region, String)> {
+        let mut nonce = [0u8; 4];
+        getrandom::getrandom(&mut nonce).map_err(|e| io::Error::other(e.to_string()))?;
+        let name = format!(
+            "{PREFIX}{}-{:08x}-arena",
+            std::process::id(),
+            u32::from_le_bytes(nonce)
+        );
+        sweep_stale();
+        Ok((
+            Region {
+                map: map_new(&name, len)?,
+                len,
+            },
+            name,
+        ))
+    }
+
+    /// Maps the group's segment `name`; it must be `len` bytes. Its creator unlinks it once
+    /// every rank has mapped it.
+    pub fn open(name: &str, len: usize) -> io::Result<Region> {
+        let (map, got) = map_existing(name, false)?;
+        if got != len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("segment {name} is {got} bytes, expected {len}"),
+            ));
+        }
+        Ok(Region { map, len })
+    }
+
+    /// Removes the name of segment `name` (every rank has mapped it).
+    pub fn unlink(name: &str) {
+        if name.starts_with(PREFIX) && !name.contains('/') {
+            let _ = std::fs::remove_file(format!("{SHM_DIR}/{name}"));
+        }
+    }
+
+    /// The 8-byte word at `off` (rounded down to a multiple of 8, clamped into the region).
+    pub fn word(&self, off: usize) -> &AtomicU64 {
+        let off = (off & !7).min(self.len.saturating_sub(8));
+        // SAFETY: `off` is 8-aligned (the mapping is page aligned) and `off + 8 <= len`; the
+        // mapping lives as long as `self`; every process accesses these words atomically only.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    /// Bytes `off..off + n` as a slice of `T` (clamped into the region).
+    ///
+    /// # Safety
+    /// No process may write the range while the slice lives (the caller's protocol ensures it),
+    /// and `off` must be aligned for `T`.
+    pub unsafe fn view<T: bytemuck::Pod>(&self, off: usize, n: usize) -> &[T] {
+        let off = off.min(self.len);
+        let n = n.min((self.len - off) / std::mem::size_of::<T>().max(1));
+        std::slice::from_raw_parts(self.map.as_mut_ptr().add(off).cast::<T>(), n)
+    }
+
+    /// Bytes `off..off + n` as a mutable slice of `T` (clamped into the region).
+    ///
+    /// # Safety
+    /// No other access to the range, from any process, while the slice lives (the caller's
+    /// protocol ensures it), and `off` must be aligned for `T`.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn view_mut<T: bytemuck::Pod>(&self, off: usize, n: usize) -> &mut [T] {
+        let off = off.min(self.len);
+        let n = n.min((self.len - off) / std::mem::size_of::<T>().max(1));
+        std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off).cast::<T>(), n)
+    }
 }
 
 /// What a rank tells each peer before deciding on the link.

@@ -1,0 +1,566 @@
+//! Intra-node all_reduce through a shared arena (Linux, every rank of the group on one host).
+//!
+//! In the spirit of DeepSpeed's CPU shared-memory all-reduce, without its two gaps (it silently
+//! returned unreduced data for types other than fp32/bf16/fp16, and knew only SUM): every
+//! element type and every reduce operator go through here, using the same kernels as the
+//! network algorithms.
+//!
+//! The buffer moves in chunks. Per chunk, every rank
+//! 1. copies its chunk into its own slot and raises its sequence word;
+//! 2. waits until every rank has (barrier 1);
+//! 3. reduces its share of the chunk across all slots into the shared result;
+//! 4. raises its sequence word again and waits for everyone (barrier 2);
+//! 5. copies the whole reduced chunk out.
+//!
+//! Slots and results are double-buffered by chunk parity: a rank writing chunk k + 2 has passed
+//! barrier 1 of chunk k + 1, so everyone has finished reading chunk k. Each call first publishes
+//! its fingerprint (collective, operator, element type, count, sequence number); after the first
+//! barrier every rank compares all of them, so a rank that called something else is a typed
+//! desync error on every rank, never a wrong result.
+//!
+//! Ordering: ranks must enter the arena in the same order. Calls take a ticket when they are
+//! issued (in program order, like sequence numbers) and run in ticket order, whatever thread
+//! runs them (a blocking call can overtake an async one in flight otherwise).
+//!
+//! Waiting spins briefly, then yields the core (at once when ranks outnumber cores), then
+//! sleeps in short naps; it checks the deadline, the peers' connections (a dead peer is the
+//! same peer-lost error as anywhere), what collective each missing rank announced (every
+//! collective of the group announces itself, so a rank in another collective at the same point
+//! is a desync at once, not at the deadline) and the arena's `broken` flag. Any failed call
+//! breaks the arena for good (the ranks' chunk counters may no longer agree): the flag tells
+//! every rank, and later calls take the network algorithms.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::reduce::{ReduceOp, Reducible};
+use crate::transport::frame::Fingerprint;
+use crate::transport::shm::Region;
+use crate::transport::tcp::Engine;
+
+const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
+const OFF_MAGIC: usize = 0;
+const OFF_BROKEN: usize = 64;
+const CTRL: usize = 4096;
+const CTRL_STRIDE: usize = 128;
+/// Offset of the fingerprint words inside a rank's control block (its own cache line).
+const CTRL_FP: usize = 64;
+/// Spins before yielding, when ranks do not outnumber cores.
+const SPINS: u32 = 4000;
+/// After this long waiting, nap between checks instead of yielding.
+const NAP_AFTER: Duration = Duration::from_millis(5);
+const NAP: Duration = Duration::from_micros(50);
+
+/// Chunks up to this many bytes take one barrier: every rank reduces all of it (n reads of a
+/// small chunk cost less than a second barrier).
+const SMALL: usize = 16 << 10;
+
+/// Default chunk per slot.
+pub(crate) const DEFAULT_CHUNK: usize = 1 << 20;
+
+fn data_base(n: usize) -> usize {
+    (CTRL + n * CTRL_STRIDE).next_multiple_of(4096)
+}
+
+/// Size of the arena of `n` ranks with `chunk`-byte slots.
+pub(crate) fn arena_len(n: usize, chunk: usize) -> usize {
+    data_base(n) + 2 * (n + 1) * chunk
+}
+
+struct Turn {
+    serving: u64,
+    /// Tickets given up before their turn.
+    done: BTreeSet<u64>,
+    /// Threads waiting for their turn (notifying costs a system call: only when needed).
+    waiters: u32,
+    /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
+    step: u64,
+}
+
+/// This rank's view of the group's arena.
+pub(crate) struct Arena {
+    region: Region,
+    n: usize,
+    me: usize,
+    chunk: usize,
+    /// Group rank → global rank (peer-failure checks, errors).
+    members: Arc<Vec<usize>>,
+    oversubscribed: bool,
+    next_ticket: AtomicU64,
+    turn: Mutex<Turn>,
+    cv: Condvar,
+}
+
+/// What a waiting rank needs to decide when to stop waiting.
+struct Wait<'a> {
+    started: Instant,
+    timeout: Duration,
+    engine: &'a Engine,
+    /// This call's published words.
+    call: (u64, u64),
+}
+
+/// A place in the arena's order; dropping it without running gives the place up.
+pub(crate) struct Ticket {
+    arena: Arc<Arena>,
+    no: u64,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut t = self.arena.turn.lock().unwrap_or_else(|e| e.into_inner());
+        if t.serving != self.no {
+            t.done.insert(self.no);
+            return;
+        }
+        t.serving += 1;
+        loop {
+            let next = t.serving;
+            if !t.done.remove(&next) {
+                break;
+            }
+            t.serving = next + 1;
+        }
+        if t.waiters > 0 {
+            self.arena.cv.notify_all();
+        }
+    }
+}
+
+/// The words a call publishes: (kind, op, dtype, tag) and count.
+fn fp_words(fp: &Fingerprint, dtype: DType, tag: u32) -> (u64, u64) {
+    // Bit 24 marks the words as written (a fresh arena is all zeros).
+    let w0 = u64::from(fp.kind)
+        | u64::from(fp.op) << 8
+        | (dtype as u64) << 16
+        | 1 << 24
+        | u64::from(tag) << 32;
+    (w0, fp.count)
+}
+
+fn describe(w0: u64, w1: u64) -> String {
+    let fp = Fingerprint {
+        kind: w0 as u8,
+        op: (w0 >> 8) as u8,
+        root: 0,
+        count: w1,
+    };
+    let dtype = DType::from_wire((w0 >> 16) as u8).unwrap_or(DType::Bytes);
+    format!("{} (collective #{})", fp.describe(dtype), w0 >> 32)
+}
+
+impl Arena {
+    /// Wraps a mapped region of [`arena_len`]`(n, chunk)` bytes (initialised by its creator).
+    fn new(
+        region: Region,
+        me: usize,
+        members: Arc<Vec<usize>>,
+        chunk: usize,
+        oversubscribed: bool,
+    ) -> Arena {
+        Arena {
+            region,
+            n: members.len(),
+            me,
+            chunk,
+            members,
+            oversubscribed,
+            next_ticket: AtomicU64::new(0),
+            turn: Mutex::new(Turn {
+                serving: 0,
+                done: BTreeSet::new(),
+                waiters: 0,
+                step: 0,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Whether the arena still works (no rank broke it).
+    pub(crate) fn usable(&self) -> bool {
+        self.region.word(OFF_BROKEN).load(Ordering::Acquire) == 0
+            && self.region.word(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
+    }
+
+    /// Takes the next place in the arena's order (at issue time, in program order).
+    pub(crate) fn ticket(self: &Arc<Self>) -> Ticket {
+        Ticket {
+            arena: self.clone(),
+            no: self.next_ticket.fetch_add(1, Ordering::AcqRel),
+        }
+    }
+
+    /// Where rank `r` publishes the call that starts at `step`.
+    fn fp_at(&self, r: usize, step: u64) -> usize {
+        CTRL + r * CTRL_STRIDE + CTRL_FP + 16 * (step % 2) as usize
+    }
+
+    fn seq(&self, r: usize) -> &AtomicU64 {
+        self.region.word(CTRL + r * CTRL_STRIDE)
+    }
+
+    fn slot(&self, parity: u64, r: usize) -> usize {
+        data_base(self.n) + (parity as usize * (self.n + 1) + r) * self.chunk
+    }
+
+    fn result(&self, parity: u64) -> usize {
+        self.slot(parity, self.n)
+    }
+
+    fn lost(&self, op: &'static str, r: usize, reason: String) -> Error {
+        Error::PeerLost {
+            op,
+            rank: self.me,
+            peer: r,
+            reason,
+        }
+    }
+
+    /// Waits until every rank's sequence word reaches `target`.
+    fn barrier(&self, target: u64, w: &Wait<'_>) -> Result<()> {
+        for r in 0..self.n {
+            let seq = self.seq(r);
+            let mut turns = 0u32;
+            while seq.load(Ordering::Acquire) < target {
+                turns = turns.wrapping_add(1);
+                if turns % 32 == 0 {
+                    if let Some(e) = self.trouble(r, w) {
+                        return Err(e);
+                    }
+                    if w.started.elapsed() >= NAP_AFTER {
+                        std::thread::sleep(NAP);
+                        continue;
+                    }
+                }
+                if turns < SPINS && !self.oversubscribed {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Why waiting for rank `r` is pointless, if it is: the deadline passed, the arena broke,
+    /// `r` is gone, or `r` runs another collective as this call (a desync).
+    fn trouble(&self, r: usize, w: &Wait<'_>) -> Option<Error> {
+        let op = "all_reduce";
+        if w.started.elapsed() >= w.timeout {
+            return Some(Error::Timeout {
+                op,
+                rank: self.me,
+                peer: Some(r),
+                after: w.timeout,
+            });
+        }
+        if !self.usable() {
+            return Some(Error::Aborted {
+                op,
+                rank: self.me,
+                reason: "another rank gave up on the shared-memory arena".into(),
+            });
+        }
+        let global = self.members.get(r).copied().unwrap_or(r);
+        if let Some(reason) = w.engine.peer_failure(global) {
+            return Some(self.lost(op, r, reason));
+        }
+        let at = self.current_at(r);
+        let c0 = self.region.word(at).load(Ordering::Acquire);
+        let c1 = self.region.word(at + 8).load(Ordering::Relaxed);
+        let (w0, w1) = w.call;
+        let announced = c0 & 1 << 24 != 0;
+        (announced && c0 >> 32 == w0 >> 32 && (c0, c1) != (w0, w1)).then(|| Error::Desync {
+            op,
+            rank: self.me,
+            peer: r,
+            ours: describe(w0, w1),
+            theirs: describe(c0, c1),
+        })
+    }
+
+    /// Where rank `r` announces the collective it is in ([`Arena::announce`]).
+    fn current_at(&self, r: usize) -> usize {
+        CTRL + r * CTRL_STRIDE + CTRL_FP + 32
+    }
+
+    /// Tells the other ranks which collective this rank is in (every collective of the group
+    /// calls this, arena or not), so that a rank waiting in the arena for one that runs another
+    /// collective at the same point finds the desync at once instead of at its deadline.
+    pub(crate) fn announce(&self, fp: &Fingerprint, dtype: DType, tag: u32) {
+        let (w0, w1) = fp_words(fp, dtype, tag);
+        let at = self.current_at(self.me);
+        self.region.word(at + 8).store(w1, Ordering::Relaxed);
+        self.region.word(at).store(w0, Ordering::Release);
+    }
+
+    /// All-reduces `buf` in place through the arena. `fp`, `dtype` and `tag` describe the
+    /// caller's call (for desync checks); the arena runs `T` (16-bit floats arrive widened).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_reduce<T: Reducible>(
+        &self,
+        ticket: &Ticket,
+        buf: &mut [T],
+        op: ReduceOp,
+        fp: &Fingerprint,
+        dtype: DType,
+        tag: u32,
+        timeout: Duration,
+        engine: &Engine,
+    ) -> Result<()> {
+        const NAME: &str = "all_reduce";
+        let started = Instant::now();
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        while t.serving != ticket.no {
+            let left = timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    op: NAME,
+                    rank: self.me,
+                    peer: None,
+                    after: timeout,
+                });
+            }
+            t.waiters += 1;
+            t = self
+                .cv
+                .wait_timeout(t, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            t.waiters -= 1;
+        }
+        let first_step = t.step;
+        drop(t);
+        let size = std::mem::size_of::<T>();
+        // Four chunks at least (copies in, reductions and copies out of neighbouring chunks
+        // overlap across ranks), each between 64 KiB and a slot. Measured on 2 ranks: 1 MiB
+        // all_reduce 218 µs in 256 KiB chunks vs 250 µs in one; 64 MiB 2.35 GB/s busbw in
+        // 1 MiB chunks vs 1.8 in 256 KiB ones.
+        let chunk_bytes = (std::mem::size_of_val(buf) / 4).clamp(64 << 10, self.chunk);
+        let per_chunk = (chunk_bytes / size).max(1);
+        let result = self.run(
+            buf,
+            op,
+            per_chunk,
+            first_step,
+            fp_words(fp, dtype, tag),
+            started,
+            timeout,
+            engine,
+        );
+        match &result {
+            Ok(()) => {
+                let ran = buf.len().div_ceil(per_chunk) as u64;
+                self.turn.lock().unwrap_or_else(|e| e.into_inner()).step = first_step + ran;
+            }
+            // The ranks' chunk counters may no longer agree (a rank ran another collective, or
+            // stopped mid-call): nobody uses the arena again.
+            Err(_) => self.region.word(OFF_BROKEN).store(1, Ordering::Release),
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: Reducible>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        per_chunk: usize,
+        first_step: u64,
+        (w0, w1): (u64, u64),
+        started: Instant,
+        timeout: Duration,
+        engine: &Engine,
+    ) -> Result<()> {
+        let size = std::mem::size_of::<T>();
+        let w = Wait {
+            started,
+            timeout,
+            engine,
+            call: (w0, w1),
+        };
+
+        // By parity of the first step: a rank that finished this call and started the next
+        // cannot overwrite what a slower rank is about to check.
+        let ctrl = self.fp_at(self.me, first_step);
+        self.region.word(ctrl + 8).store(w1, Ordering::Relaxed);
+        self.region.word(ctrl).store(w0, Ordering::Release);
+        let at = self.current_at(self.me);
+        self.region.word(at + 8).store(w1, Ordering::Relaxed);
+        self.region.word(at).store(w0, Ordering::Release);
+
+        for (k, chunk) in buf.chunks_mut(per_chunk).enumerate() {
+            let step = first_step + k as u64;
+            let parity = step % 2;
+            let m = chunk.len();
+            // SAFETY (all views below): the slot of rank `me` at this parity is written only
+            // by us, between barrier 1 of chunk `step - 1` (every rank finished reading it as
+            // chunk `step - 2`) and barrier 1 of this chunk; the other slots are only read
+            // between the two barriers of this chunk, when nobody writes them; our share of
+            // the result is written only by us between the barriers, and the whole result is
+            // read by everyone after barrier 2, before barrier 1 of chunk `step + 2` lets
+            // anyone write it again. Offsets are multiples of 64 plus element multiples, so
+            // aligned for T.
+            unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) }
+                .copy_from_slice(chunk);
+            if std::mem::size_of_val(chunk) <= SMALL {
+                // Small: one barrier, then every rank reduces the whole chunk itself, in rank
+                // order (so every rank computes the same bits). Slots are read only between
+                // this barrier and our arrival at the next chunk's, as above.
+                self.seq(self.me).store(2 * step + 2, Ordering::Release);
+                self.barrier(2 * step + 2, &w)?;
+                if k == 0 {
+                    self.check_calls(first_step, w0, w1)?;
+                }
+                // SAFETY: see above.
+                chunk.copy_from_slice(unsafe { self.region.view::<T>(self.slot(parity, 0), m) });
+                for r in 1..self.n {
+                    // SAFETY: see above.
+                    T::reduce_into(
+                        chunk,
+                        unsafe { self.region.view::<T>(self.slot(parity, r), m) },
+                        op,
+                    );
+                }
+                continue;
+            }
+            self.seq(self.me).store(2 * step + 1, Ordering::Release);
+            self.barrier(2 * step + 1, &w)?;
+            if k == 0 {
+                self.check_calls(first_step, w0, w1)?;
+            }
+            let (lo, hi) = (m * self.me / self.n, m * (self.me + 1) / self.n);
+            if hi > lo {
+                // SAFETY: see above.
+                let out = unsafe {
+                    self.region
+                        .view_mut::<T>(self.result(parity) + lo * size, hi - lo)
+                };
+                // SAFETY: see above.
+                out.copy_from_slice(unsafe {
+                    self.region
+                        .view::<T>(self.slot(parity, 0) + lo * size, hi - lo)
+                });
+                for r in 1..self.n {
+                    // SAFETY: see above.
+                    let theirs = unsafe {
+                        self.region
+                            .view::<T>(self.slot(parity, r) + lo * size, hi - lo)
+                    };
+                    T::reduce_into(out, theirs, op);
+                }
+            }
+            self.seq(self.me).store(2 * step + 2, Ordering::Release);
+            self.barrier(2 * step + 2, &w)?;
+            // SAFETY: see above.
+            chunk.copy_from_slice(unsafe { self.region.view::<T>(self.result(parity), m) });
+        }
+        Ok(())
+    }
+
+    /// After the first barrier of a call: every rank must have published the same call.
+    fn check_calls(&self, step: u64, w0: u64, w1: u64) -> Result<()> {
+        for r in (0..self.n).filter(|&r| r != self.me) {
+            let ctrl = self.fp_at(r, step);
+            let t0 = self.region.word(ctrl).load(Ordering::Acquire);
+            let t1 = self.region.word(ctrl + 8).load(Ordering::Relaxed);
+            if (t0, t1) != (w0, w1) {
+                return Err(Error::Desync {
+                    op: "all_reduce",
+                    rank: self.me,
+                    peer: r,
+                    ours: describe(w0, w1),
+                    theirs: describe(t0, t1),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Settings of the arena.
+pub(crate) struct ArenaConfig {
+    pub enabled: bool,
+    pub chunk: usize,
+    pub oversubscribed: bool,
+}
+
+/// Sets up the world group's arena through the store, if every rank says all its links are
+/// shared memory. All ranks agree on the outcome (rank 0 decides and announces it).
+pub(crate) fn establish(
+    store: &dyn crate::rendezvous::Store,
+    me: usize,
+    members: Arc<Vec<usize>>,
+    all_shm: bool,
+    cfg: &ArenaConfig,
+) -> Result<Option<Arc<Arena>>> {
+    let n = members.len();
+    if n < 2 {
+        return Ok(None);
+    }
+    let yes = |b: bool| if b { "1" } else { "0" };
+    store.set(
+        &format!("arena/ok/{me}"),
+        yes(all_shm && cfg.enabled).as_bytes(),
+    )?;
+    let mut mine = None;
+    if me == 0 {
+        let mut all = true;
+        for r in 0..n {
+            all &= store.get(&format!("arena/ok/{r}"))? == b"1";
+        }
+        let created = if all {
+            Region::create(arena_len(n, cfg.chunk)).ok()
+        } else {
+            None
+        };
+        if let Some((region, _)) = &created {
+            region.word(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        }
+        let announce = match &created {
+            Some((_, name)) => format!("{name} {}", cfg.chunk),
+            None => "-".into(),
+        };
+        store.set("arena/name", announce.as_bytes())?;
+        mine = created;
+    }
+    let announced = String::from_utf8_lossy(&store.get("arena/name")?).to_string();
+    let (name, chunk) = match announced.split_once(' ') {
+        Some((name, chunk)) => match chunk.parse::<usize>() {
+            Ok(c) if c > 0 && c <= 1 << 30 => (name.to_string(), c),
+            _ => return Ok(None),
+        },
+        None => return Ok(None),
+    };
+    let region = match mine {
+        Some((region, _)) => Some(region),
+        None => Region::open(&name, arena_len(n, chunk)).ok(),
+    };
+    store.set(
+        &format!("arena/mapped/{me}"),
+        yes(region.is_some()).as_bytes(),
+    )?;
+    if me == 0 {
+        let mut all = true;
+        for r in 0..n {
+            all &= store.get(&format!("arena/mapped/{r}"))? == b"1";
+        }
+        Region::unlink(&name);
+        store.set("arena/go", yes(all).as_bytes())?;
+    }
+    let go = store.get("arena/go")? == b"1";
+    Ok(match (go, region) {
+        (true, Some(region)) => Some(Arc::new(Arena::new(
+            region,
+            me,
+            members,
+            chunk,
+            cfg.oversubscribed,
+        ))),
+        _ => None,
+    })
+}

@@ -135,10 +135,6 @@ pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
 /// size up to 16 MiB; on 5 it lost from 4 MiB on (0.58 vs 0.56 GB/s at 4 MiB, 0.54 vs 0.48 at
 /// 16 MiB).
 pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
-/// all_reduce goes through the shared-memory arena (all ranks on one host) up to this many
-/// bytes, and through the network algorithms above. Overridable with
-/// `DISTCOMM_SHM_ALLREDUCE_MAX`; `DISTCOMM_SHM_ALLREDUCE=0` turns the arena off.
-pub const SHM_ALL_REDUCE_MAX: usize = usize::MAX;
 
 impl Inner {
     fn invalid(&self, op: &'static str, detail: String) -> Error {
@@ -219,10 +215,7 @@ impl Inner {
     /// A place in the shared-memory arena's order for an all_reduce of `len` elements of `T`,
     /// when it will run there (taken at issue time: see `intranode`).
     fn arena_ticket<T: Reducible>(&self, len: usize) -> Option<Ticket> {
-        let arena = self.arena.as_ref()?;
-        let bytes = len * std::mem::size_of::<T>();
-        let max = threshold("DISTCOMM_SHM_ALLREDUCE_MAX", SHM_ALL_REDUCE_MAX);
-        (len > 0 && bytes <= max && arena.usable()).then(|| arena.ticket())
+        self.arena.as_ref()?.ticket(len * std::mem::size_of::<T>())
     }
 
     /// All-reduce through the shared-memory arena (16-bit floats widened to f32 and rounded

@@ -236,6 +236,9 @@ impl GroupBuilder {
                 })
                 .next_multiple_of(64),
             oversubscribed,
+            // Measured faster than the network algorithms at every size up to 64 MiB here
+            // (see the README); `DISTCOMM_SHM_ALLREDUCE_MAX` caps it.
+            max_bytes: env_u64("DISTCOMM_SHM_ALLREDUCE_MAX")?.map_or(usize::MAX, |b| b as usize),
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
         let group = ProcessGroup {

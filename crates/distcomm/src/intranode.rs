@@ -45,10 +45,14 @@ use crate::transport::tcp::Engine;
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
 const OFF_MAGIC: usize = 0;
 const OFF_BROKEN: usize = 64;
+/// Per rank: one cache line per chunk parity (sequence word, the call's fingerprint at +8, and
+/// up to [`INLINE`] bytes of data at +24, so a tiny all_reduce moves one line per peer), then a
+/// line with the collective the rank announced.
 const CTRL: usize = 4096;
-const CTRL_STRIDE: usize = 128;
-/// Offset of the fingerprint words inside a rank's control block (its own cache line).
-const CTRL_FP: usize = 64;
+const CTRL_STRIDE: usize = 192;
+const LINE_DATA: usize = 24;
+/// Chunks this small travel inside the control line.
+const INLINE: usize = 40;
 /// Spins before yielding, when ranks do not outnumber cores.
 const SPINS: u32 = 4000;
 /// After this long waiting, nap between checks instead of yielding.
@@ -90,6 +94,8 @@ pub(crate) struct Arena {
     /// Group rank → global rank (peer-failure checks, errors).
     members: Arc<Vec<usize>>,
     oversubscribed: bool,
+    /// Largest all_reduce (bytes) that goes through the arena.
+    max_bytes: usize,
     next_ticket: AtomicU64,
     turn: Mutex<Turn>,
     cv: Condvar,
@@ -97,11 +103,24 @@ pub(crate) struct Arena {
 
 /// What a waiting rank needs to decide when to stop waiting.
 struct Wait<'a> {
-    started: Instant,
+    /// When waiting began (read lazily: the clock costs as much as a small call's transfer).
+    since: std::cell::Cell<Option<Instant>>,
     timeout: Duration,
     engine: &'a Engine,
     /// This call's published words.
     call: (u64, u64),
+}
+
+impl Wait<'_> {
+    fn waited(&self) -> Duration {
+        match self.since.get() {
+            Some(t) => t.elapsed(),
+            None => {
+                self.since.set(Some(Instant::now()));
+                Duration::ZERO
+            }
+        }
+    }
 }
 
 /// A place in the arena's order; dropping it without running gives the place up.
@@ -160,15 +179,16 @@ impl Arena {
         me: usize,
         members: Arc<Vec<usize>>,
         chunk: usize,
-        oversubscribed: bool,
+        cfg: &ArenaConfig,
     ) -> Arena {
         Arena {
+            max_bytes: cfg.max_bytes,
             region,
             n: members.len(),
             me,
             chunk,
             members,
-            oversubscribed,
+            oversubscribed: cfg.oversubscribed,
             next_ticket: AtomicU64::new(0),
             turn: Mutex::new(Turn {
                 serving: 0,
@@ -186,21 +206,27 @@ impl Arena {
             && self.region.word(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
     }
 
-    /// Takes the next place in the arena's order (at issue time, in program order).
-    pub(crate) fn ticket(self: &Arc<Self>) -> Ticket {
-        Ticket {
+    /// Takes the next place in the arena's order for an all_reduce of `bytes` (at issue time,
+    /// in program order), if it will run here.
+    pub(crate) fn ticket(self: &Arc<Self>, bytes: usize) -> Option<Ticket> {
+        (bytes > 0 && bytes <= self.max_bytes && self.usable()).then(|| Ticket {
             arena: self.clone(),
             no: self.next_ticket.fetch_add(1, Ordering::AcqRel),
-        }
+        })
     }
 
     /// Where rank `r` publishes the call that starts at `step`.
     fn fp_at(&self, r: usize, step: u64) -> usize {
-        CTRL + r * CTRL_STRIDE + CTRL_FP + 16 * (step % 2) as usize
+        self.line(r, step % 2) + 8
     }
 
-    fn seq(&self, r: usize) -> &AtomicU64 {
-        self.region.word(CTRL + r * CTRL_STRIDE)
+    /// Rank `r`'s control line for chunks of `parity`.
+    fn line(&self, r: usize, parity: u64) -> usize {
+        CTRL + r * CTRL_STRIDE + 64 * parity as usize
+    }
+
+    fn seq(&self, r: usize, parity: u64) -> &AtomicU64 {
+        self.region.word(self.line(r, parity))
     }
 
     fn slot(&self, parity: u64, r: usize) -> usize {
@@ -220,18 +246,18 @@ impl Arena {
         }
     }
 
-    /// Waits until every rank's sequence word reaches `target`.
-    fn barrier(&self, target: u64, w: &Wait<'_>) -> Result<()> {
+    /// Waits until every rank's sequence word of `parity` reaches `target`.
+    fn barrier(&self, parity: u64, target: u64, w: &Wait<'_>) -> Result<()> {
         for r in 0..self.n {
-            let seq = self.seq(r);
+            let seq = self.seq(r, parity);
             let mut turns = 0u32;
             while seq.load(Ordering::Acquire) < target {
                 turns = turns.wrapping_add(1);
-                if turns % 32 == 0 {
+                if turns % 128 == 0 {
                     if let Some(e) = self.trouble(r, w) {
                         return Err(e);
                     }
-                    if w.started.elapsed() >= NAP_AFTER {
+                    if w.waited() >= NAP_AFTER {
                         std::thread::sleep(NAP);
                         continue;
                     }
@@ -250,7 +276,7 @@ impl Arena {
     /// `r` is gone, or `r` runs another collective as this call (a desync).
     fn trouble(&self, r: usize, w: &Wait<'_>) -> Option<Error> {
         let op = "all_reduce";
-        if w.started.elapsed() >= w.timeout {
+        if w.waited() >= w.timeout {
             return Some(Error::Timeout {
                 op,
                 rank: self.me,
@@ -285,7 +311,7 @@ impl Arena {
 
     /// Where rank `r` announces the collective it is in ([`Arena::announce`]).
     fn current_at(&self, r: usize) -> usize {
-        CTRL + r * CTRL_STRIDE + CTRL_FP + 32
+        CTRL + r * CTRL_STRIDE + 128
     }
 
     /// Tells the other ranks which collective this rank is in (every collective of the group
@@ -313,10 +339,11 @@ impl Arena {
         engine: &Engine,
     ) -> Result<()> {
         const NAME: &str = "all_reduce";
-        let started = Instant::now();
         let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut started = None;
         while t.serving != ticket.no {
-            let left = timeout.saturating_sub(started.elapsed());
+            let since = *started.get_or_insert_with(Instant::now);
+            let left = timeout.saturating_sub(since.elapsed());
             if left.is_zero() {
                 return Err(Error::Timeout {
                     op: NAME,
@@ -347,10 +374,12 @@ impl Arena {
             op,
             per_chunk,
             first_step,
-            fp_words(fp, dtype, tag),
-            started,
-            timeout,
-            engine,
+            Wait {
+                since: std::cell::Cell::new(started),
+                timeout,
+                engine,
+                call: fp_words(fp, dtype, tag),
+            },
         );
         match &result {
             Ok(()) => {
@@ -364,25 +393,17 @@ impl Arena {
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn run<T: Reducible>(
         &self,
         buf: &mut [T],
         op: ReduceOp,
         per_chunk: usize,
         first_step: u64,
-        (w0, w1): (u64, u64),
-        started: Instant,
-        timeout: Duration,
-        engine: &Engine,
+        w: Wait<'_>,
     ) -> Result<()> {
+        let w = &w;
         let size = std::mem::size_of::<T>();
-        let w = Wait {
-            started,
-            timeout,
-            engine,
-            call: (w0, w1),
-        };
+        let (w0, w1) = w.call;
 
         // By parity of the first step: a rank that finished this call and started the next
         // cannot overwrite what a slower rank is about to check.
@@ -405,31 +426,41 @@ impl Arena {
             // read by everyone after barrier 2, before barrier 1 of chunk `step + 2` lets
             // anyone write it again. Offsets are multiples of 64 plus element multiples, so
             // aligned for T.
-            unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) }
-                .copy_from_slice(chunk);
-            if std::mem::size_of_val(chunk) <= SMALL {
+            let bytes = std::mem::size_of_val(chunk);
+            if bytes <= SMALL {
                 // Small: one barrier, then every rank reduces the whole chunk itself, in rank
-                // order (so every rank computes the same bits). Slots are read only between
-                // this barrier and our arrival at the next chunk's, as above.
-                self.seq(self.me).store(2 * step + 2, Ordering::Release);
-                self.barrier(2 * step + 2, &w)?;
+                // order (so every rank computes the same bits). Slots (or the data part of the
+                // control line, for tiny chunks) are read only between this barrier and our
+                // arrival at the next chunk's, as above.
+                let at = |r: usize| {
+                    if bytes <= INLINE {
+                        self.line(r, parity) + LINE_DATA
+                    } else {
+                        self.slot(parity, r)
+                    }
+                };
+                // SAFETY: see above.
+                unsafe { self.region.view_mut::<T>(at(self.me), m) }.copy_from_slice(chunk);
+                self.seq(self.me, parity)
+                    .store(2 * step + 2, Ordering::Release);
+                self.barrier(parity, 2 * step + 2, w)?;
                 if k == 0 {
                     self.check_calls(first_step, w0, w1)?;
                 }
                 // SAFETY: see above.
-                chunk.copy_from_slice(unsafe { self.region.view::<T>(self.slot(parity, 0), m) });
+                chunk.copy_from_slice(unsafe { self.region.view::<T>(at(0), m) });
                 for r in 1..self.n {
                     // SAFETY: see above.
-                    T::reduce_into(
-                        chunk,
-                        unsafe { self.region.view::<T>(self.slot(parity, r), m) },
-                        op,
-                    );
+                    T::reduce_into(chunk, unsafe { self.region.view::<T>(at(r), m) }, op);
                 }
                 continue;
             }
-            self.seq(self.me).store(2 * step + 1, Ordering::Release);
-            self.barrier(2 * step + 1, &w)?;
+            // SAFETY: see above.
+            unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) }
+                .copy_from_slice(chunk);
+            self.seq(self.me, parity)
+                .store(2 * step + 1, Ordering::Release);
+            self.barrier(parity, 2 * step + 1, w)?;
             if k == 0 {
                 self.check_calls(first_step, w0, w1)?;
             }
@@ -454,8 +485,9 @@ impl Arena {
                     T::reduce_into(out, theirs, op);
                 }
             }
-            self.seq(self.me).store(2 * step + 2, Ordering::Release);
-            self.barrier(2 * step + 2, &w)?;
+            self.seq(self.me, parity)
+                .store(2 * step + 2, Ordering::Release);
+            self.barrier(parity, 2 * step + 2, w)?;
             // SAFETY: see above.
             chunk.copy_from_slice(unsafe { self.region.view::<T>(self.result(parity), m) });
         }
@@ -487,6 +519,7 @@ pub(crate) struct ArenaConfig {
     pub enabled: bool,
     pub chunk: usize,
     pub oversubscribed: bool,
+    pub max_bytes: usize,
 }
 
 /// Sets up the world group's arena through the store, if every rank says all its links are
@@ -554,13 +587,7 @@ pub(crate) fn establish(
     }
     let go = store.get("arena/go")? == b"1";
     Ok(match (go, region) {
-        (true, Some(region)) => Some(Arc::new(Arena::new(
-            region,
-            me,
-            members,
-            chunk,
-            cfg.oversubscribed,
-        ))),
+        (true, Some(region)) => Some(Arc::new(Arena::new(region, me, members, chunk, cfg))),
         _ => None,
     })
 }

@@ -20,6 +20,7 @@ pub(crate) struct ArenaConfig {
     pub enabled: bool,
     pub chunk: usize,
     pub oversubscribed: bool,
+    pub max_bytes: usize,
 }
 
 impl Arena {
@@ -31,7 +32,7 @@ impl Arena {
         match *self {}
     }
 
-    pub(crate) fn ticket(self: &Arc<Self>) -> Ticket {
+    pub(crate) fn ticket(self: &Arc<Self>, _bytes: usize) -> Option<Ticket> {
         match **self {}
     }
 

@@ -10,7 +10,7 @@ use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::Engine;
 
-pub(crate) const DEFAULT_CHUNK: usize = 1 << 20;
+pub(crate) const DEFAULT_CHUNK: usize = 2 << 20;
 
 pub(crate) enum Arena {}
 

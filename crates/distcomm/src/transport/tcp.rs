@@ -25,6 +25,7 @@
 //! that drained part of a socket would leave the progress thread asleep on unread data).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
@@ -346,7 +347,7 @@ struct State {
     peers: Vec<Option<Peer>>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
-    sends: HashMap<u64, PendingSend>,
+    sends: HashMap<u64, PendingSend, BuildHasherDefault<IdHash>>,
     /// Large receives that answered Cts and wait for Data, by (source, msg_id), with the size
     /// the sender announced.
     rdv: HashMap<(usize, u64), (Posted, u64)>,
@@ -358,6 +359,26 @@ struct State {
     /// every later operation of it fails with an error that describes its own call. Grows by
     /// one entry per failed collective.
     cancelled: HashMap<(u32, u32), Cancel>,
+}
+
+/// Hasher of our own message ids (sequential integers, never chosen by a peer): one
+/// multiplication spreads them over the table, where SipHash's resistance to chosen keys would
+/// only cost time on every send.
+#[derive(Default)]
+struct IdHash(u64);
+
+impl Hasher for IdHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 /// A control frame's header (replies carry no context or tag: `msg_id` names the message).
@@ -1087,10 +1108,11 @@ impl State {
                 return Ok(progressed);
             }
             let written = {
-                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+                let mut iov = [IoSlice::new(&[]); MAX_IOV];
+                let mut k = 0;
                 let mut skip = peer.out_off;
                 for o in peer.out.iter() {
-                    if iov.len() + 2 > MAX_IOV {
+                    if k + 2 > MAX_IOV {
                         break;
                     }
                     let payload = o
@@ -1099,16 +1121,19 @@ impl State {
                         .map(|b| &b.bytes()[..o.plen])
                         .unwrap_or(&[]);
                     if skip < HEADER_LEN {
-                        iov.push(IoSlice::new(&o.hdr[skip..]));
+                        iov[k] = IoSlice::new(&o.hdr[skip..]);
+                        k += 1;
                         if !payload.is_empty() {
-                            iov.push(IoSlice::new(payload));
+                            iov[k] = IoSlice::new(payload);
+                            k += 1;
                         }
                     } else if skip - HEADER_LEN < payload.len() {
-                        iov.push(IoSlice::new(&payload[skip - HEADER_LEN..]));
+                        iov[k] = IoSlice::new(&payload[skip - HEADER_LEN..]);
+                        k += 1;
                     }
                     skip = 0;
                 }
-                match peer.link.write(&iov)? {
+                match peer.link.write(&iov[..k])? {
                     0 => return Ok(progressed),
                     n => n,
                 }
@@ -1595,7 +1620,7 @@ impl Engine {
                 peers,
                 posted: VecDeque::new(),
                 unexpected: VecDeque::new(),
-                sends: HashMap::new(),
+                sends: HashMap::default(),
                 rdv: HashMap::new(),
                 lent: HashMap::new(),
                 next_id: 0,

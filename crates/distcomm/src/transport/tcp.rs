@@ -1,4 +1,6 @@
-//! The TCP transport: a full mesh of connections driven by one progress engine.
+//! The progress engine: a full mesh of connections, each a TCP socket or a shared-memory link
+//! (`shm.rs`: rings in shared memory, with the socket kept for doorbells and peer death), all
+//! carrying the same frames and driven by one engine.
 //!
 //! # Protocol
 //! Messages up to `eager_max` bytes travel inline (`Eager`); the receiver answers `Ack` once a
@@ -6,8 +8,15 @@
 //! element type), so **both** sides learn about a refusal. Larger messages use a receiver-ready
 //! handshake: `Rts` announces the size, the receiver answers `Cts` once a matching receive is
 //! posted, and only then does the sender stream `Data` straight into the receive buffer. Memory
-//! stays bounded whatever the posting order: an unmatched large message costs its 32-byte header,
+//! stays bounded whatever the posting order: an unmatched large message costs its 48-byte header,
 //! an unmatched small one at most `eager_max` bytes.
+//!
+//! Towards a shared-memory peer a large message announces its buffer's address instead (`Rget`)
+//! and the receiver copies it across processes (`process_vm_readv`) and answers Ack; from
+//! [`SPLIT_MIN`] bytes on it first asks the sender to write the head itself (`Rput`, answered by
+//! `Put`) while it reads the tail, so both processes copy at once. A buffer whose address went
+//! to a peer outlives everything here (abort, shutdown) until that peer answers or dies. Where
+//! the kernel refuses, the receiver answers Cts and the message streams as above.
 //!
 //! # Progress
 //! All state lives behind one mutex. Three kinds of threads drive it:
@@ -564,9 +573,7 @@ impl State {
     /// once (we ask the sender to write the head with an Rput while we read the tail). Where
     /// the kernel refuses, has it streamed instead (Cts), and stops trying on that link.
     fn fetch(&mut self, src: usize, h: Header, mut r: Posted, addr: &[u8]) {
-        let mut raw = [0u8; RGET_PAYLOAD];
-        raw.copy_from_slice(&addr[..RGET_PAYLOAD.min(addr.len())]);
-        let addr = u64::from_le_bytes(raw);
+        let addr = address(addr);
         let pid = match self.peers.get(src) {
             Some(Some(peer)) => peer.link.cma_pid(),
             _ => None,
@@ -637,8 +644,7 @@ impl State {
     /// Sender side of an Rput: write the head of message `h.msg_id` into the receiver's buffer
     /// at `addr`, and say whether that worked (Put).
     fn on_rput(&mut self, p: usize, h: Header, addr: Vec<u8>) -> std::result::Result<(), String> {
-        let mut raw = [0u8; RGET_PAYLOAD];
-        raw.copy_from_slice(&addr[..RGET_PAYLOAD.min(addr.len())]);
+        let addr = address(&addr);
         let pid = match self.peers.get(p) {
             Some(Some(peer)) => peer.link.cma_pid(),
             _ => None,
@@ -652,9 +658,7 @@ impl State {
         let n = (h.len as usize).min(s.len);
         let written = match (&s.buf, pid) {
             #[cfg(target_os = "linux")]
-            (Some(buf), Some(pid)) => {
-                shm::cma_write(pid, u64::from_le_bytes(raw), &buf.bytes()[..n]).is_ok()
-            }
+            (Some(buf), Some(pid)) => shm::cma_write(pid, addr, &buf.bytes()[..n]).is_ok(),
             _ => false,
         };
         s.cell.kick();
@@ -687,11 +691,13 @@ impl State {
         } = l;
         let mut ok = !own_failed;
         if ok && h.aux != 0 {
-            // The sender could not write the head: read it ourselves.
-            #[cfg(target_os = "linux")]
-            if let Some(pid) = self.peers.get(p).and_then(|x| x.as_ref()?.link.cma_pid()) {
-                ok = shm::cma_read(pid, addr, &mut r.buf.bytes_mut()[..split]).is_ok();
-            }
+            // The sender could not write the head: read it ourselves, or have it all streamed.
+            let pid = self.peers.get(p).and_then(|x| x.as_ref()?.link.cma_pid());
+            ok = match pid {
+                #[cfg(target_os = "linux")]
+                Some(pid) => shm::cma_read(pid, addr, &mut r.buf.bytes_mut()[..split]).is_ok(),
+                _ => false,
+            };
             let _ = (addr, split);
         }
         if ok {
@@ -1470,6 +1476,14 @@ fn poll_now(fds: &mut [libc::pollfd]) -> i32 {
     // SAFETY: `fds` is an exclusively borrowed slice of initialised pollfd structs whose length is
     // passed alongside; poll(2) only writes their `revents` fields.
     unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) }
+}
+
+/// The buffer address carried by an Rget or Rput payload.
+fn address(payload: &[u8]) -> u64 {
+    let mut raw = [0u8; RGET_PAYLOAD];
+    let n = RGET_PAYLOAD.min(payload.len());
+    raw[..n].copy_from_slice(&payload[..n]);
+    u64::from_le_bytes(raw)
 }
 
 fn complete_recv(r: Posted, src: usize, h: &Header) {

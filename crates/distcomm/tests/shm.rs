@@ -258,3 +258,49 @@ fn the_arena_can_be_turned_off() {
         },
     );
 }
+
+/// Runs inside a mount namespace with a 1 MiB /dev/shm (see the next test); does nothing
+/// elsewhere.
+#[test]
+fn inner_full_dev_shm() {
+    if std::env::var("SHM_TEST_FULL_NS").is_err() {
+        return;
+    }
+    run_env(
+        "inner_full_dev_shm",
+        &[2, 3],
+        &[("DISTCOMM_EXPECT_TRANSPORT", "tcp")],
+        |g| {
+            assert!(!g.intranode_all_reduce());
+            let mut x = vec![1i64; 300_000];
+            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert!(x.iter().all(|&v| v == g.size() as i64));
+        },
+    );
+}
+
+#[test]
+fn a_full_dev_shm_falls_back_to_tcp() {
+    // Needs root for a private mount namespace; CI runs as root.
+    let probe = std::process::Command::new("unshare")
+        .args(["-m", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no private mount namespace here (needs root and unshare)");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=1M tmpfs /dev/shm && exec '{}' inner_full_dev_shm --exact --nocapture",
+        exe.display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .env("SHM_TEST_FULL_NS", "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("test inner_full_dev_shm ... ok"), "{text}");
+}

@@ -348,13 +348,30 @@ fn map_new(name: &str, len: usize) -> io::Result<MmapRaw> {
         .create_new(true)
         .mode(0o600)
         .open(&path)?;
+    // Reserve the pages now: on a full /dev/shm (containers often have 64 MiB) a sparse file
+    // maps fine and then kills the process with SIGBUS on first touch; this way it is an error
+    // here, and `auto` falls back to TCP.
     let made = file
         .set_len(len as u64)
+        .and_then(|()| reserve(&file, len))
         .and_then(|()| MmapRaw::map_raw(&file));
     if made.is_err() {
         let _ = std::fs::remove_file(&path);
     }
     made
+}
+
+/// Allocates the backing pages of `file` (`posix_fallocate`).
+fn reserve(file: &File, len: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "segment too large"))?;
+    // SAFETY: posix_fallocate on a descriptor we own, with an in-range offset and length; it
+    // touches no memory of ours.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
 }
 
 /// Maps the existing segment `name` (and with `unlink`, removes its name); returns the mapping

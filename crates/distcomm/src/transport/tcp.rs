@@ -773,6 +773,7 @@ impl State {
     /// receive state that follows it.
     fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
         if matches!(h.kind, Kind::Eager | Kind::Rts | Kind::Rget)
+            && !self.cancelled.is_empty()
             && self.cancelled.contains_key(&(h.ctx, h.tag))
         {
             self.refuse_cancelled(p, &h);

@@ -218,6 +218,7 @@ impl GroupBuilder {
         let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.map(|b| b as usize);
         let cfg = EngineConfig {
             eager_max,
+            shm_eager_max: env_u64("DISTCOMM_SHM_EAGER_MAX")?.unwrap_or(16 * 1024) as usize,
             spin,
             yield_spin: oversubscribed,
             sockbuf,

@@ -761,7 +761,10 @@ mod tests {
     use super::*;
 
     fn pair(cap: usize) -> ShmLink {
-        let name = format!("{PREFIX}{}-test-{cap}", std::process::id());
+        // Tests run in parallel threads of one process: one name each.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{PREFIX}{}-test-{k}", std::process::id());
         let a = create(&name, cap).unwrap();
         let b = open(&name).unwrap();
         assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());

@@ -39,6 +39,7 @@ mod intranode;
 #[path = "intranode_stub.rs"]
 mod intranode;
 pub mod launch;
+mod onebit;
 pub mod reduce;
 pub mod rendezvous;
 pub mod transport;
@@ -47,6 +48,7 @@ mod work;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+pub use onebit::{padded_len, OneBitState};
 pub use reduce::{ReduceOp, Reducible};
 pub use transport::TransportKind;
 pub use work::{Status, Work};

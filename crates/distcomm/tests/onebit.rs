@@ -1,0 +1,130 @@
+//! 1-bit compressed all_reduce against a serial simulation of the same algorithm, written here
+//! independently: world sizes 1–5, lengths divisible by nothing convenient, several calls in a
+//! row (the error feedback carries over), and empty buffers.
+
+mod common;
+
+use common::run;
+use distcomm::{padded_len, OneBitState};
+
+/// Rank r's input at call k.
+fn input(r: usize, k: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (((i * 7 + r * 13 + k * 29) % 23) as f32 - 11.0) * 0.1 + r as f32 * 0.01)
+        .collect()
+}
+
+fn sign_bit(v: f32) -> bool {
+    v >= 0.0
+}
+
+fn scale_of(x: &[f32]) -> f32 {
+    let sq: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    (sq.sqrt() / (x.len() as f64).sqrt()) as f32
+}
+
+/// Every rank's output of one call, updating every rank's state, all in one process.
+fn simulate(inputs: &[Vec<f32>], states: &mut [OneBitState]) -> Vec<Vec<f32>> {
+    let n = inputs.len();
+    let len = inputs[0].len();
+    let padded = padded_len(len, n);
+    let chunk = padded / n;
+    // Workers: compensated, compressed.
+    let mut worker_signs = vec![vec![false; padded]; n];
+    let mut worker_scales = vec![0f32; n];
+    for r in 0..n {
+        let st = &mut states[r];
+        if st.worker_error.len() != padded {
+            st.worker_error = vec![0.0; padded];
+            st.server_error = vec![0.0; chunk];
+        }
+        let mut x: Vec<f32> = (0..padded)
+            .map(|i| inputs[r].get(i).copied().unwrap_or(0.0) + st.worker_error[i])
+            .collect();
+        let s = scale_of(&x);
+        for (i, v) in x.iter_mut().enumerate() {
+            worker_signs[r][i] = sign_bit(*v);
+            *v -= s * if sign_bit(*v) { 1.0 } else { -1.0 };
+        }
+        worker_scales[r] = s;
+        st.worker_error = x;
+    }
+    // Servers: rank s serves chunk s.
+    let mut out_signs = vec![false; padded];
+    let mut out_scales = vec![0f32; n];
+    for s in 0..n {
+        let mut m = states[s].server_error.clone();
+        for (i, v) in m.iter_mut().enumerate() {
+            for w in 0..n {
+                let unit = if worker_signs[w][s * chunk + i] {
+                    1.0
+                } else {
+                    -1.0
+                };
+                *v += worker_scales[w] / n as f32 * unit;
+            }
+        }
+        let sc = scale_of(&m);
+        for (i, v) in m.iter_mut().enumerate() {
+            out_signs[s * chunk + i] = sign_bit(*v);
+            *v -= sc * if sign_bit(*v) { 1.0 } else { -1.0 };
+        }
+        out_scales[s] = sc;
+        states[s].server_error = m;
+    }
+    let out: Vec<f32> = (0..len)
+        .map(|i| out_scales[i / chunk] * if out_signs[i] { 1.0 } else { -1.0 })
+        .collect();
+    vec![out; n]
+}
+
+#[test]
+fn onebit_all_reduce_matches_the_serial_algorithm() {
+    run(
+        "onebit_all_reduce_matches_the_serial_algorithm",
+        &[1, 2, 3, 4, 5],
+        |g| {
+            let (n, r) = (g.size(), g.rank());
+            for len in [1usize, 7, 13, 1000, 12_345] {
+                let mut mine = OneBitState::default();
+                let mut sim: Vec<OneBitState> = vec![OneBitState::default(); n];
+                for k in 0..3 {
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|q| input(q, k, len)).collect();
+                    let want = simulate(&inputs, &mut sim);
+                    let mut buf = inputs[r].clone();
+                    g.onebit_all_reduce(&mut buf, &mut mine).unwrap();
+                    for (i, (a, b)) in buf.iter().zip(&want[r]).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "world {n} len {len} call {k} elem {i}: {a} vs {b}"
+                        );
+                    }
+                    assert_eq!(mine.worker_error.len(), padded_len(len, n));
+                    for (a, b) in mine.worker_error.iter().zip(&sim[r].worker_error) {
+                        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
+                    }
+                    for (a, b) in mine.server_error.iter().zip(&sim[r].server_error) {
+                        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
+                    }
+                }
+                // An empty buffer zeroes both error buffers.
+                g.onebit_all_reduce(&mut [], &mut mine).unwrap();
+                assert!(mine.worker_error.iter().all(|&v| v == 0.0));
+                assert!(mine.server_error.iter().all(|&v| v == 0.0));
+            }
+        },
+    );
+}
+
+#[test]
+fn padding_gives_every_rank_whole_bytes() {
+    for n in 1..=8 {
+        for len in [0usize, 1, 7, 8, 63, 64, 65, 1000] {
+            let p = padded_len(len, n);
+            assert!(
+                p >= len && p % (8 * n) == 0 && p - len < 8 * n,
+                "{len} on {n}: {p}"
+            );
+        }
+    }
+}

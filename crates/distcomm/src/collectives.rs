@@ -167,7 +167,7 @@ impl Inner {
         Ok(())
     }
 
-    fn next_tag(&self) -> u32 {
+    pub(crate) fn next_tag(&self) -> u32 {
         self.coll_seq.fetch_add(1, Ordering::AcqRel)
     }
 
@@ -486,7 +486,12 @@ impl Inner {
         Ok(())
     }
 
-    fn all_gather_on<T: Reducible>(&self, tag: u32, input: &[T], output: &mut [T]) -> Result<()> {
+    pub(crate) fn all_gather_on<T: Reducible>(
+        &self,
+        tag: u32,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, input.len());
         if output.len() != n * k {
             return Err(self.invalid(
@@ -593,7 +598,7 @@ impl Inner {
         Ok(())
     }
 
-    fn all_to_all_on<T: Reducible>(
+    pub(crate) fn all_to_all_on<T: Reducible>(
         &self,
         tag: u32,
         input: &[T],
@@ -773,7 +778,7 @@ impl Driver for Waiter {
 
 impl ProcessGroup {
     /// Queues `f` on the group's collective thread and returns its handle.
-    fn spawn<T: Reducible>(
+    pub(crate) fn spawn<T: Reducible>(
         &self,
         op: &'static str,
         f: impl FnOnce(&Inner) -> Result<Vec<T>> + Send + 'static,

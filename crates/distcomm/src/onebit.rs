@@ -18,8 +18,11 @@
 //! against 2·(n−1)/n·32 bits for an exact ring all_reduce. An empty buffer zeroes both error
 //! buffers.
 
+use std::sync::{Arc, Mutex};
+
 use crate::error::Result;
-use crate::group::ProcessGroup;
+use crate::group::{Inner, ProcessGroup};
+use crate::work::Work;
 
 /// The error-feedback state of one buffer (keep one per all-reduced buffer, on every rank).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -93,55 +96,94 @@ impl ProcessGroup {
     /// # Ok(()) }
     /// ```
     pub fn onebit_all_reduce(&self, buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
-        let n = self.size();
-        if buf.is_empty() {
-            state.worker_error.iter_mut().for_each(|v| *v = 0.0);
-            state.server_error.iter_mut().for_each(|v| *v = 0.0);
-            return Ok(());
-        }
-        let padded = padded_len(buf.len(), n);
-        let chunk = padded / n;
-        if state.worker_error.len() != padded || state.server_error.len() != chunk {
-            state.worker_error = vec![0.0; padded];
-            state.server_error = vec![0.0; chunk];
-        }
-        // 1. Compensate and compress this rank's contribution.
-        let mut x = vec![0f32; padded];
-        x[..buf.len()].copy_from_slice(buf);
-        for (v, e) in x.iter_mut().zip(&state.worker_error) {
-            *v += e;
-        }
-        let mut signs = vec![0u8; padded / 8];
-        let my_scale = compress(&mut x, &mut signs);
-        let worker_error = x;
-        // 2. Phase 1: chunk r of every rank's signs to rank r; every rank's scale to all.
-        let mut got_signs = vec![0u8; padded / 8];
-        self.all_to_all(&signs, &mut got_signs)?;
-        let mut scales = vec![0f32; n];
-        self.all_gather(&[my_scale], &mut scales)?;
-        // 3. Serve our chunk: average, compensate, compress again.
-        let per = chunk / 8;
-        let mut server = state.server_error.clone();
-        for (packed, s) in got_signs.chunks_exact(per).zip(&scales) {
-            let w = s / n as f32;
-            for (i, v) in server.iter_mut().enumerate() {
-                *v += w * unit(bit(packed, i));
+        match self.onebit_tags(buf.len()) {
+            Some(tags) => onebit_on(&self.inner, tags, buf, state),
+            None => {
+                state.clear();
+                Ok(())
             }
         }
-        let mut server_signs = vec![0u8; per];
-        let server_scale = compress(&mut server, &mut server_signs);
-        // 4. Phase 2: every server's chunk to everyone.
-        let mut all_signs = vec![0u8; padded / 8];
-        self.all_gather(&server_signs, &mut all_signs)?;
-        let mut server_scales = vec![0f32; n];
-        self.all_gather(&[server_scale], &mut server_scales)?;
-        for (i, v) in buf.iter_mut().enumerate() {
-            *v = server_scales[i / chunk] * unit(bit(&all_signs, i));
-        }
-        state.worker_error = worker_error;
-        state.server_error = server;
-        Ok(())
     }
+
+    /// Async [`onebit_all_reduce`](Self::onebit_all_reduce): the result comes back from
+    /// [`Work::into_buffer`](crate::Work::into_buffer); `state` is updated when the operation
+    /// runs (runs are in issue order with the group's other async collectives).
+    pub fn onebit_all_reduce_async(
+        &self,
+        mut buf: Vec<f32>,
+        state: Arc<Mutex<OneBitState>>,
+    ) -> Result<Work<Vec<f32>>> {
+        let tags = self.onebit_tags(buf.len());
+        self.spawn("onebit_all_reduce", move |g| {
+            let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+            match tags {
+                Some(tags) => onebit_on(g, tags, &mut buf, &mut st)?,
+                None => st.clear(),
+            }
+            Ok(buf)
+        })
+    }
+
+    /// The sequence numbers of the four collectives of a call (taken at issue time, in program
+    /// order); none for an empty buffer, which communicates nothing.
+    fn onebit_tags(&self, len: usize) -> Option<[u32; 4]> {
+        (len > 0).then(|| std::array::from_fn(|_| self.inner.next_tag()))
+    }
+}
+
+impl OneBitState {
+    /// Zeroes both error buffers (what an empty call does).
+    fn clear(&mut self) {
+        self.worker_error.iter_mut().for_each(|v| *v = 0.0);
+        self.server_error.iter_mut().for_each(|v| *v = 0.0);
+    }
+}
+
+fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
+    let n = g.members.len();
+    let padded = padded_len(buf.len(), n);
+    let chunk = padded / n;
+    if state.worker_error.len() != padded || state.server_error.len() != chunk {
+        state.worker_error = vec![0.0; padded];
+        state.server_error = vec![0.0; chunk];
+    }
+    // 1. Compensate and compress this rank's contribution.
+    let mut x = vec![0f32; padded];
+    x[..buf.len()].copy_from_slice(buf);
+    for (v, e) in x.iter_mut().zip(&state.worker_error) {
+        *v += e;
+    }
+    let mut signs = vec![0u8; padded / 8];
+    let my_scale = compress(&mut x, &mut signs);
+    let worker_error = x;
+    // 2. Phase 1: chunk r of every rank's signs to rank r; every rank's scale to all.
+    let per = chunk / 8;
+    let mut got_signs = vec![0u8; padded / 8];
+    let counts = vec![per; n];
+    g.all_to_all_on(tags[0], &signs, &counts, &mut got_signs, &counts, false)?;
+    let mut scales = vec![0f32; n];
+    g.all_gather_on(tags[1], &[my_scale], &mut scales)?;
+    // 3. Serve our chunk: average, compensate, compress again.
+    let mut server = state.server_error.clone();
+    for (packed, s) in got_signs.chunks_exact(per).zip(&scales) {
+        let w = s / n as f32;
+        for (i, v) in server.iter_mut().enumerate() {
+            *v += w * unit(bit(packed, i));
+        }
+    }
+    let mut server_signs = vec![0u8; per];
+    let server_scale = compress(&mut server, &mut server_signs);
+    // 4. Phase 2: every server's chunk to everyone.
+    let mut all_signs = vec![0u8; padded / 8];
+    g.all_gather_on(tags[2], &server_signs, &mut all_signs)?;
+    let mut server_scales = vec![0f32; n];
+    g.all_gather_on(tags[3], &[server_scale], &mut server_scales)?;
+    for (i, v) in buf.iter_mut().enumerate() {
+        *v = server_scales[i / chunk] * unit(bit(&all_signs, i));
+    }
+    state.worker_error = worker_error;
+    state.server_error = server;
+    Ok(())
 }
 
 #[cfg(test)]

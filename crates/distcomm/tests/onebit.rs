@@ -128,3 +128,43 @@ fn padding_gives_every_rank_whole_bytes() {
         }
     }
 }
+
+#[test]
+fn async_calls_in_flight_together_match_too() {
+    run("async_calls_in_flight_together_match_too", &[2, 3], |g| {
+        use std::sync::{Arc, Mutex};
+        let (n, r) = (g.size(), g.rank());
+        let lens = [1000usize, 77];
+        let states: Vec<Arc<Mutex<OneBitState>>> = lens
+            .iter()
+            .map(|_| Arc::new(Mutex::new(OneBitState::default())))
+            .collect();
+        let mut sims: Vec<Vec<OneBitState>> = lens
+            .iter()
+            .map(|_| vec![OneBitState::default(); n])
+            .collect();
+        for k in 0..3 {
+            // Both in flight, plus a blocking all_reduce between them.
+            let works: Vec<_> = lens
+                .iter()
+                .zip(&states)
+                .enumerate()
+                .map(|(j, (&len, st))| {
+                    g.onebit_all_reduce_async(input(r, k + 10 * j, len), st.clone())
+                        .unwrap()
+                })
+                .collect();
+            let mut x = [1i32];
+            g.all_reduce(&mut x, distcomm::ReduceOp::Sum).unwrap();
+            assert_eq!(x[0] as usize, n);
+            for (j, w) in works.into_iter().enumerate() {
+                let got = w.into_buffer().unwrap();
+                let inputs: Vec<Vec<f32>> = (0..n).map(|q| input(q, k + 10 * j, lens[j])).collect();
+                let want = simulate(&inputs, &mut sims[j]);
+                for (a, b) in got.iter().zip(&want[r]) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+            }
+        }
+    });
+}

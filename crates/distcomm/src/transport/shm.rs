@@ -239,53 +239,49 @@ pub(crate) fn drain_doorbell(stream: &TcpStream) -> std::result::Result<(), Stri
 
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst` (cross-memory attach).
 pub(crate) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
-    let mut done = 0usize;
-    while done < dst.len() {
-        let local = libc::iovec {
-            iov_base: dst[done..].as_mut_ptr().cast(),
-            iov_len: dst.len() - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (addr as usize + done) as *mut libc::c_void,
-            iov_len: dst.len() - done,
-        };
-        // SAFETY: `local` describes the writable remainder of `dst`, which we borrow exclusively;
-        // `remote` is only interpreted by the kernel in the other process's address space, where
-        // a bad address is an EFAULT, never an access to our memory.
-        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "cross-memory read made no progress",
-            ));
-        }
-        done += n as usize;
-    }
-    Ok(())
+    let len = dst.len();
+    let base = dst.as_mut_ptr();
+    cma_all(len, "read", |done| {
+        let (local, remote) = iovecs(base.wrapping_add(done), len - done, addr, done);
+        // SAFETY: `local` describes the writable remainder of `dst`, which we borrow exclusively
+        // for this call; `remote` is only interpreted by the kernel in the other process's
+        // address space, where a bad address is an EFAULT, never an access to our memory.
+        unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) }
+    })
 }
 
 /// Copies `src` to `addr` in process `pid` (cross-memory attach).
 pub(crate) fn cma_write(pid: i32, addr: u64, src: &[u8]) -> io::Result<()> {
-    let mut done = 0usize;
-    while done < src.len() {
-        let local = libc::iovec {
-            iov_base: src[done..].as_ptr().cast_mut().cast(),
-            iov_len: src.len() - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (addr as usize + done) as *mut libc::c_void,
-            iov_len: src.len() - done,
-        };
+    let len = src.len();
+    let base = src.as_ptr().cast_mut();
+    cma_all(len, "write", |done| {
+        let (local, remote) = iovecs(base.wrapping_add(done), len - done, addr, done);
         // SAFETY: `local` describes the remainder of `src`, which the kernel only reads;
         // `remote` is interpreted in the other process, where a bad address is an EFAULT.
-        let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+        unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) }
+    })
+}
+
+/// The local and remote iovecs of the part of a cross-memory copy still to do.
+fn iovecs(local: *mut u8, left: usize, addr: u64, done: usize) -> (libc::iovec, libc::iovec) {
+    (
+        libc::iovec {
+            iov_base: local.cast(),
+            iov_len: left,
+        },
+        libc::iovec {
+            iov_base: (addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_len: left,
+        },
+    )
+}
+
+/// Repeats a partial cross-memory copy (`step(done)` returns what the system call returned)
+/// until `len` bytes moved, retrying interrupted calls.
+fn cma_all(len: usize, what: &str, mut step: impl FnMut(usize) -> isize) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < len {
+        let n = step(done);
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -296,7 +292,7 @@ pub(crate) fn cma_write(pid: i32, addr: u64, src: &[u8]) -> io::Result<()> {
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                "cross-memory write made no progress",
+                format!("cross-memory {what} made no progress"),
             ));
         }
         done += n as usize;
@@ -439,7 +435,6 @@ impl Region {
             std::process::id(),
             u32::from_le_bytes(nonce)
         );
-        sweep_stale();
         Ok((
             Region {
                 map: map_new(&name, len)?,

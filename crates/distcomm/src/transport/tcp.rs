@@ -532,48 +532,48 @@ impl State {
         self.reply(src, control(kind, h.msg_id, aux, len, dtype, fp));
     }
 
+    /// Matches a message that arrived whole (an eager payload, or an Rget's buffer address)
+    /// with a posted receive and checks it. Unmatched, it is queued as unexpected; refused, the
+    /// sender is answered and the receive failed. Returns the receive and the data otherwise.
+    fn match_arrived(
+        &mut self,
+        src: usize,
+        h: &Header,
+        data: Vec<u8>,
+    ) -> Option<(Posted, Vec<u8>)> {
+        let pos = self.posted.iter().position(|r| r.matches(src, h));
+        let Some(r) = pos.and_then(|i| self.posted.remove(i)) else {
+            self.unexpected.push_back(Unexpected {
+                src,
+                hdr: *h,
+                data: Some(data),
+            });
+            return None;
+        };
+        match self.check(&r, src, h) {
+            Ok(()) => Some((r, data)),
+            Err((e, reason)) => {
+                self.answer(src, h, Some((reason, &r)));
+                r.cell.complete(Err(e), None);
+                None
+            }
+        }
+    }
+
     /// Delivers a fully received eager payload: into a matching posted receive, or into the
     /// unexpected queue.
     fn deliver_eager(&mut self, src: usize, h: Header, data: Vec<u8>) {
-        let pos = self.posted.iter().position(|r| r.matches(src, &h));
-        let Some(mut r) = pos.and_then(|i| self.posted.remove(i)) else {
-            self.unexpected.push_back(Unexpected {
-                src,
-                hdr: h,
-                data: Some(data),
-            });
-            return;
-        };
-        match self.check(&r, src, &h) {
-            Ok(()) => {
-                r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
-                self.answer(src, &h, None);
-                complete_recv(r, src, &h);
-            }
-            Err((e, reason)) => {
-                self.answer(src, &h, Some((reason, &r)));
-                r.cell.complete(Err(e), None);
-            }
+        if let Some((mut r, data)) = self.match_arrived(src, &h, data) {
+            r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
+            self.answer(src, &h, None);
+            complete_recv(r, src, &h);
         }
     }
 
     /// A peer asks us to fetch a large message (`addr`: its buffer address, 8 bytes).
     fn on_rget(&mut self, src: usize, h: Header, addr: Vec<u8>) {
-        let pos = self.posted.iter().position(|r| r.matches(src, &h));
-        let Some(r) = pos.and_then(|i| self.posted.remove(i)) else {
-            self.unexpected.push_back(Unexpected {
-                src,
-                hdr: h,
-                data: Some(addr),
-            });
-            return;
-        };
-        match self.check(&r, src, &h) {
-            Ok(()) => self.fetch(src, h, r, &addr),
-            Err((e, reason)) => {
-                self.answer(src, &h, Some((reason, &r)));
-                r.cell.complete(Err(e), None);
-            }
+        if let Some((r, addr)) = self.match_arrived(src, &h, addr) {
+            self.fetch(src, h, r, &addr);
         }
     }
 

@@ -71,6 +71,8 @@ struct Call {
     count: usize,
     /// The call's size in the nccl-tests sense (for the comms log).
     bytes: usize,
+    /// Part of a composite operation that logs itself (1-bit all_reduce): not logged alone.
+    quiet: bool,
 }
 
 impl Call {
@@ -81,7 +83,12 @@ impl Call {
             root: 0,
             count,
             bytes: 0,
+            quiet: false,
         }
+    }
+    fn quiet(mut self, quiet: bool) -> Call {
+        self.quiet = quiet;
+        self
     }
     fn bytes(mut self, bytes: usize) -> Call {
         self.bytes = bytes;
@@ -181,22 +188,26 @@ impl Inner {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
-        let started = Instant::now();
+        let (started, sent) = (Instant::now(), sent_bytes());
         if let Some(arena) = &self.arena {
             arena.announce(&call.fingerprint(), T::DTYPE, tag);
         }
         let result = self.execute_rounds(call, tag, sched, out, inp);
-        self.finished(call, tag, T::DTYPE, started, &result);
+        self.finished(call, tag, T::DTYPE, (started, sent), &result);
         result
     }
 
-    /// Books a finished collective: into the comms log when it succeeded; when it failed, lets
-    /// every member know, so that none waits for us until its deadline.
-    fn finished(&self, call: &Call, tag: u32, dtype: DType, started: Instant, r: &Result<()>) {
+    /// Books a finished collective that started at `since` (time, [`sent_bytes`]): into the
+    /// comms log when it succeeded; when it failed, lets every member know, so that none waits
+    /// for us until its deadline.
+    fn finished(&self, call: &Call, tag: u32, dtype: DType, since: (Instant, u64), r: &Result<()>) {
         match r {
+            Ok(()) if call.quiet => {}
             Ok(()) => {
+                let (started, sent) = since;
+                let (took, sent) = (started.elapsed(), sent_bytes() - sent);
                 self.log
-                    .record(call.kind.name(), call.bytes, self.size(), started.elapsed());
+                    .record(call.kind.name(), call.bytes, self.size(), took, sent);
             }
             Err(e) => {
                 let desync = matches!(e, Error::Desync { .. });
@@ -229,14 +240,16 @@ impl Inner {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let started = Instant::now();
+        let since = (Instant::now(), sent_bytes());
         let n = self.size();
         let fp = call.fingerprint();
         let (timeout, engine) = (self.timeout, &*self.engine);
+        // What this rank puts into the shared arena is what it "sends".
         let result = match T::widen(buf) {
             Some(mut wide) => arena
                 .all_reduce(ticket, &mut wide, op, &fp, T::DTYPE, tag, timeout, engine)
                 .map(|()| {
+                    count_sent(size_of_val(wide.as_slice()));
                     if op == ReduceOp::Avg {
                         f32::finish_avg(&mut wide, n);
                     }
@@ -245,12 +258,13 @@ impl Inner {
             None => arena
                 .all_reduce(ticket, buf, op, &fp, T::DTYPE, tag, timeout, engine)
                 .map(|()| {
+                    count_sent(size_of_val(buf));
                     if op == ReduceOp::Avg {
                         T::finish_avg(buf, n);
                     }
                 }),
         };
-        self.finished(call, tag, T::DTYPE, started, &result);
+        self.finished(call, tag, T::DTYPE, since, &result);
         result
     }
 
@@ -325,6 +339,7 @@ impl Inner {
                             Space::In => inp.get(range.clone()),
                         }
                         .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        count_sent(size_of_val(src));
                         if in_place && size_of_val(src) > eager_max {
                             // SAFETY: as for receives above; sends only read the range.
                             let view = unsafe { RawView::of(bytemuck::cast_slice(src)) };
@@ -491,6 +506,7 @@ impl Inner {
         tag: u32,
         input: &[T],
         output: &mut [T],
+        quiet: bool,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, input.len());
         if output.len() != n * k {
@@ -500,7 +516,9 @@ impl Inner {
             ));
         }
         output[r * k..(r + 1) * k].copy_from_slice(input);
-        let call = Call::new(Kind::AllGather, k).bytes(size_of_val(output));
+        let call = Call::new(Kind::AllGather, k)
+            .bytes(size_of_val(output))
+            .quiet(quiet);
         self.execute(&call, tag, &alg::ring_all_gather(n, r, n * k), output, &[])
     }
 
@@ -606,6 +624,7 @@ impl Inner {
         output: &mut [T],
         recv_counts: &[usize],
         uneven: bool,
+        quiet: bool,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
         let ranges =
@@ -636,7 +655,8 @@ impl Inner {
         output[rr[r].clone()].copy_from_slice(&input[sr[r].clone()]);
         // Uneven splits differ per rank, so only the equal form fingerprints its count.
         let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() })
-            .bytes(size_of_val(input));
+            .bytes(size_of_val(input))
+            .quiet(quiet);
         self.execute(
             &call,
             tag,
@@ -645,6 +665,21 @@ impl Inner {
             input,
         )
     }
+}
+
+thread_local! {
+    /// Bytes this thread's collectives handed to the transport (or put into the shared arena).
+    static SENT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes sent so far by collectives run on this thread: a collective runs wholly on one thread,
+/// so the difference across a call is what that call sent.
+pub(crate) fn sent_bytes() -> u64 {
+    SENT.with(|s| s.get())
+}
+
+fn count_sent(n: usize) {
+    SENT.with(|s| s.set(s.get() + n as u64));
 }
 
 /// Scratch buffers for collectives, by element type, so that large transfers reuse memory
@@ -913,7 +948,7 @@ impl ProcessGroup {
     /// Gathers every rank's `input` into `output` (rank `i`'s block at `i * input.len()`).
     pub fn all_gather<T: Reducible>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         let tag = self.inner.next_tag();
-        self.inner.all_gather_on(tag, input, output)
+        self.inner.all_gather_on(tag, input, output, false)
     }
 
     /// [`all_gather`](Self::all_gather) into one buffer per rank.
@@ -928,7 +963,7 @@ impl ProcessGroup {
         let tag = self.inner.next_tag();
         self.spawn("all_gather", move |g| {
             let mut out = vec![T::zeroed(); input.len() * g.size()];
-            g.all_gather_on(tag, &input, &mut out)?;
+            g.all_gather_on(tag, &input, &mut out, false)?;
             Ok(out)
         })
     }
@@ -1051,7 +1086,7 @@ impl ProcessGroup {
         let counts = self.equal_counts("all_to_all", input.len(), output.len())?;
         let tag = self.inner.next_tag();
         self.inner
-            .all_to_all_on(tag, input, &counts, output, &counts, false)
+            .all_to_all_on(tag, input, &counts, output, &counts, false, false)
     }
 
     /// All-to-all with uneven splits: `send_counts[j]` elements go to rank `j`,
@@ -1065,7 +1100,7 @@ impl ProcessGroup {
     ) -> Result<()> {
         let tag = self.inner.next_tag();
         self.inner
-            .all_to_all_on(tag, input, send_counts, output, recv_counts, true)
+            .all_to_all_on(tag, input, send_counts, output, recv_counts, true, false)
     }
 
     /// Async equal [`all_to_all`](Self::all_to_all); the handle's buffer is the output.
@@ -1074,7 +1109,7 @@ impl ProcessGroup {
         let tag = self.inner.next_tag();
         self.spawn("all_to_all", move |g| {
             let mut out = vec![T::zeroed(); input.len()];
-            g.all_to_all_on(tag, &input, &counts, &mut out, &counts, false)?;
+            g.all_to_all_on(tag, &input, &counts, &mut out, &counts, false, false)?;
             Ok(out)
         })
     }

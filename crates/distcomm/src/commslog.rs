@@ -24,6 +24,10 @@ pub struct CommsStat {
     pub bytes: usize,
     pub count: usize,
     pub total_bytes: u64,
+    /// Bytes this rank actually handed to the transport over all `count` calls (for
+    /// shared-memory all_reduce: what it put into the shared arena). Compare ops by this: a
+    /// ring all_reduce of `b` bytes sends about 2·b·(n−1)/n, a 1-bit one about b/16·(n−1)/n.
+    pub sent_bytes: u64,
     pub p50_us: f64,
     pub p90_us: f64,
     pub p99_us: f64,
@@ -34,8 +38,8 @@ pub struct CommsStat {
     pub busbw_gbs: f64,
 }
 
-/// (op, bytes) -> (group size, latencies in µs).
-type Samples = BTreeMap<(&'static str, usize), (usize, Vec<f64>)>;
+/// (op, bytes) -> (group size, latencies in µs, bytes sent).
+type Samples = BTreeMap<(&'static str, usize), (usize, Vec<f64>, u64)>;
 
 #[derive(Default)]
 pub(crate) struct CommsLog {
@@ -70,19 +74,27 @@ impl CommsLog {
         log
     }
 
-    pub(crate) fn record(&self, op: &'static str, bytes: usize, n: usize, took: Duration) {
+    pub(crate) fn record(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        n: usize,
+        took: Duration,
+        sent: u64,
+    ) {
         if !self.on.load(Ordering::Relaxed) {
             return;
         }
         let mut s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
-        let e = s.entry((op, bytes)).or_insert((n, Vec::new()));
+        let e = s.entry((op, bytes)).or_insert((n, Vec::new(), 0));
         e.1.push(took.as_secs_f64() * 1e6);
+        e.2 += sent;
     }
 
     fn stats(&self) -> Vec<CommsStat> {
         let s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
         s.iter()
-            .map(|(&(op, bytes), (n, lat))| {
+            .map(|(&(op, bytes), (n, lat, sent))| {
                 let mut v = lat.clone();
                 v.sort_by(|a, b| a.total_cmp(b));
                 let p50 = percentile(&v, 0.5);
@@ -96,6 +108,7 @@ impl CommsLog {
                     bytes,
                     count: v.len(),
                     total_bytes: bytes as u64 * v.len() as u64,
+                    sent_bytes: *sent,
                     p50_us: p50,
                     p90_us: percentile(&v, 0.9),
                     p99_us: percentile(&v, 0.99),
@@ -134,11 +147,12 @@ impl ProcessGroup {
     /// The statistics as a table, one line per (op, size).
     pub fn comms_log_summary(&self) -> String {
         let mut out = format!(
-            "{:<15} {:>12} {:>7} {:>14} {:>10} {:>10} {:>10} {:>11} {:>11}\n",
+            "{:<17} {:>12} {:>7} {:>14} {:>14} {:>10} {:>10} {:>10} {:>11} {:>11}\n",
             "op",
             "size(B)",
             "count",
             "total(B)",
+            "sent(B)",
             "p50(us)",
             "p90(us)",
             "p99(us)",
@@ -147,11 +161,12 @@ impl ProcessGroup {
         );
         for s in self.comms_log() {
             out += &format!(
-                "{:<15} {:>12} {:>7} {:>14} {:>10.1} {:>10.1} {:>10.1} {:>11.3} {:>11.3}\n",
+                "{:<17} {:>12} {:>7} {:>14} {:>14} {:>10.1} {:>10.1} {:>10.1} {:>11.3} {:>11.3}\n",
                 s.op,
                 s.bytes,
                 s.count,
                 s.total_bytes,
+                s.sent_bytes,
                 s.p50_us,
                 s.p90_us,
                 s.p99_us,

@@ -387,6 +387,7 @@ pub(crate) struct Inner {
 pub(crate) const CTX_USER: u32 = 0;
 pub(crate) const CTX_BARRIER: u32 = 1;
 pub(crate) const CTX_COLL: u32 = 2;
+pub(crate) const CTX_PIPE: u32 = 3;
 const CTX_PER_GROUP: u32 = 4;
 
 impl std::fmt::Debug for ProcessGroup {
@@ -637,7 +638,7 @@ impl ProcessGroup {
         }))
     }
 
-    fn check_tag(&self, op: &'static str, tag: u32) -> Result<()> {
+    pub(crate) fn check_tag(&self, op: &'static str, tag: u32) -> Result<()> {
         if tag > MAX_TAG {
             return Err(Error::TagOutOfRange {
                 op,

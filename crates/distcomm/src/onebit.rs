@@ -19,7 +19,9 @@
 //! buffers.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use crate::collectives::sent_bytes;
 use crate::error::Result;
 use crate::group::{Inner, ProcessGroup};
 use crate::work::Work;
@@ -139,7 +141,29 @@ impl OneBitState {
     }
 }
 
+/// Runs one call and books it in the comms log as `onebit_all_reduce` (its four collectives
+/// are not logged alone), with the bytes it actually sent.
 fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
+    let (started, sent) = (Instant::now(), sent_bytes());
+    onebit_rounds(g, tags, buf, state)?;
+    let took = started.elapsed();
+    let bytes = std::mem::size_of_val(buf);
+    g.log.record(
+        "onebit_all_reduce",
+        bytes,
+        g.members.len(),
+        took,
+        sent_bytes() - sent,
+    );
+    Ok(())
+}
+
+fn onebit_rounds(
+    g: &Inner,
+    tags: [u32; 4],
+    buf: &mut [f32],
+    state: &mut OneBitState,
+) -> Result<()> {
     let n = g.members.len();
     let padded = padded_len(buf.len(), n);
     let chunk = padded / n;
@@ -160,9 +184,17 @@ fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState
     let per = chunk / 8;
     let mut got_signs = vec![0u8; padded / 8];
     let counts = vec![per; n];
-    g.all_to_all_on(tags[0], &signs, &counts, &mut got_signs, &counts, false)?;
+    g.all_to_all_on(
+        tags[0],
+        &signs,
+        &counts,
+        &mut got_signs,
+        &counts,
+        false,
+        true,
+    )?;
     let mut scales = vec![0f32; n];
-    g.all_gather_on(tags[1], &[my_scale], &mut scales)?;
+    g.all_gather_on(tags[1], &[my_scale], &mut scales, true)?;
     // 3. Serve our chunk: average, compensate, compress again.
     let mut server = state.server_error.clone();
     for (packed, s) in got_signs.chunks_exact(per).zip(&scales) {
@@ -175,9 +207,9 @@ fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState
     let server_scale = compress(&mut server, &mut server_signs);
     // 4. Phase 2: every server's chunk to everyone.
     let mut all_signs = vec![0u8; padded / 8];
-    g.all_gather_on(tags[2], &server_signs, &mut all_signs)?;
+    g.all_gather_on(tags[2], &server_signs, &mut all_signs, true)?;
     let mut server_scales = vec![0f32; n];
-    g.all_gather_on(tags[3], &[server_scale], &mut server_scales)?;
+    g.all_gather_on(tags[3], &[server_scale], &mut server_scales, true)?;
     for (i, v) in buf.iter_mut().enumerate() {
         *v = server_scales[i / chunk] * unit(bit(&all_signs, i));
     }

@@ -38,6 +38,11 @@ pub(crate) trait WireBuf: Send + 'static {
     fn is_view(&self) -> bool {
         false
     }
+    /// Resizes a buffer sized by what arrives to exactly `len` bytes; false for fixed buffers
+    /// (and for lengths a sized buffer refuses), which then keep MPI's rules.
+    fn fit(&mut self, _len: usize) -> bool {
+        false
+    }
 }
 
 impl<T: crate::Element> WireBuf for Vec<T> {
@@ -53,6 +58,36 @@ impl<T: crate::Element> WireBuf for Vec<T> {
 }
 
 pub(crate) type BoxBuf = Box<dyn WireBuf>;
+
+/// A receive buffer that takes the length of the message that matches it (a whole number of
+/// elements, at most `max_bytes`), so the receiver need not know the size in advance. It comes
+/// back from the handle as a plain `Vec<T>`.
+pub(crate) struct Fitted<T> {
+    pub(crate) vec: Vec<T>,
+    pub(crate) max_bytes: usize,
+}
+
+impl<T: crate::Element> WireBuf for Fitted<T> {
+    fn bytes(&self) -> &[u8] {
+        self.vec.bytes()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.vec.bytes_mut()
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        Box::new(self.vec)
+    }
+    fn fit(&mut self, len: usize) -> bool {
+        let size = std::mem::size_of::<T>();
+        if len > self.max_bytes || len % size != 0 {
+            return false;
+        }
+        self.vec.clear();
+        self.vec
+            .resize(len / size, <T as bytemuck::Zeroable>::zeroed());
+        true
+    }
+}
 
 /// A window onto memory the engine does not own: a range of a collective's own buffers, used
 /// so that large collective transfers skip a copy into scratch memory.

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::run;
+use common::{run, run_env};
 use distcomm::{padded_len, OneBitState};
 
 /// Rank r's input at call k.
@@ -167,4 +167,38 @@ fn async_calls_in_flight_together_match_too() {
             }
         }
     });
+}
+
+#[test]
+fn the_comms_log_counts_the_bytes_each_call_sent() {
+    run_env(
+        "the_comms_log_counts_the_bytes_each_call_sent",
+        &[2, 3, 4],
+        // The network schedule, so that the exact all_reduce's bytes follow the ring formula.
+        &[("DISTCOMM_SHM_ALLREDUCE", "0")],
+        |g| {
+            let n = g.size() as u64;
+            g.set_comms_log(true);
+            let len = 3 << 18; // 3 MiB of f32, divisible by every world size here
+            let mut st = OneBitState::default();
+            let mut x = input(g.rank(), 0, len);
+            g.onebit_all_reduce(&mut x, &mut st).unwrap();
+            g.all_reduce(&mut x, distcomm::ReduceOp::Avg).unwrap();
+            let log = g.comms_log();
+            assert_eq!(
+                log.len(),
+                2,
+                "sub-collectives of the 1-bit call are not logged alone"
+            );
+            let onebit = log.iter().find(|s| s.op == "onebit_all_reduce").unwrap();
+            let exact = log.iter().find(|s| s.op == "all_reduce").unwrap();
+            // Phase 1 all_to_all and phase 2 all_gather of signs (one chunk to each peer),
+            // plus two ring all_gathers of one f32 scale per rank.
+            let per = padded_len(len, n as usize) as u64 / 8 / n;
+            assert_eq!(onebit.sent_bytes, (n - 1) * (2 * per + 8));
+            // The ring all_reduce: a 1/n chunk per step, 2(n-1) steps.
+            assert_eq!(exact.sent_bytes, 2 * (n - 1) * (4 * len as u64 / n));
+            assert!(onebit.sent_bytes * 30 <= exact.sent_bytes);
+        },
+    );
 }

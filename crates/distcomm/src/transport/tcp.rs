@@ -466,11 +466,11 @@ impl State {
     /// Checks a matched receive against a message header.
     fn check(
         &self,
-        r: &Posted,
+        r: &mut Posted,
         src: usize,
         h: &Header,
     ) -> std::result::Result<(), (Error, NackReason)> {
-        let cap = r.buf.bytes().len() as u64;
+        let mut cap = r.buf.bytes().len() as u64;
         // Collective messages must fit their receive exactly: both sides run the same schedule.
         if r.fp != h.fp || (r.fp.kind != 0 && (h.len != cap || h.dtype != r.dtype)) {
             return Err((
@@ -497,6 +497,10 @@ impl State {
                 },
                 NackReason::DType,
             ));
+        }
+        // A buffer sized by what arrives (pipeline tensors, byte objects) takes its length now.
+        if r.fp.kind == 0 && h.len != cap && usize::try_from(h.len).is_ok_and(|n| r.buf.fit(n)) {
+            cap = h.len;
         }
         if h.len > cap {
             return Err((
@@ -542,7 +546,7 @@ impl State {
         data: Vec<u8>,
     ) -> Option<(Posted, Vec<u8>)> {
         let pos = self.posted.iter().position(|r| r.matches(src, h));
-        let Some(r) = pos.and_then(|i| self.posted.remove(i)) else {
+        let Some(mut r) = pos.and_then(|i| self.posted.remove(i)) else {
             self.unexpected.push_back(Unexpected {
                 src,
                 hdr: *h,
@@ -550,7 +554,7 @@ impl State {
             });
             return None;
         };
-        match self.check(&r, src, h) {
+        match self.check(&mut r, src, h) {
             Ok(()) => Some((r, data)),
             Err((e, reason)) => {
                 self.answer(src, h, Some((reason, &r)));
@@ -755,7 +759,7 @@ impl State {
             self.posted.push_back(r);
             return;
         };
-        if let Err((e, reason)) = self.check(&r, u.src, &u.hdr) {
+        if let Err((e, reason)) = self.check(&mut r, u.src, &u.hdr) {
             self.answer(u.src, &u.hdr, Some((reason, &r)));
             r.cell.complete(Err(e), None);
             return;
@@ -800,7 +804,7 @@ impl State {
                 let pos = self.posted.iter().position(|r| r.matches(p, &h));
                 let target = match pos.and_then(|i| self.posted.remove(i)) {
                     None => Target::Temp(vec![0u8; h.len as usize]),
-                    Some(r) => match self.check(&r, p, &h) {
+                    Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => Target::Recv(r),
                         Err((e, reason)) => {
                             self.answer(p, &h, Some((reason, &r)));
@@ -823,7 +827,7 @@ impl State {
                         hdr: h,
                         data: None,
                     }),
-                    Some(r) => match self.check(&r, p, &h) {
+                    Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => {
                             self.answer(p, &h, None);
                             r.cell.kick();

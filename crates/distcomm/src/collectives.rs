@@ -616,16 +616,17 @@ impl Inner {
         Ok(())
     }
 
+    /// `send`/`recv`: the buffer and the element count per peer; `uneven` for the `_v` form,
+    /// `quiet` inside a composite operation (not logged alone).
     pub(crate) fn all_to_all_on<T: Reducible>(
         &self,
         tag: u32,
-        input: &[T],
-        send_counts: &[usize],
-        output: &mut [T],
-        recv_counts: &[usize],
+        send: (&[T], &[usize]),
+        recv: (&mut [T], &[usize]),
         uneven: bool,
         quiet: bool,
     ) -> Result<()> {
+        let ((input, send_counts), (output, recv_counts)) = (send, recv);
         let (n, r) = (self.size(), self.rank);
         let ranges =
             |counts: &[usize], total: usize, what: &str| -> Result<Vec<std::ops::Range<usize>>> {
@@ -1086,7 +1087,7 @@ impl ProcessGroup {
         let counts = self.equal_counts("all_to_all", input.len(), output.len())?;
         let tag = self.inner.next_tag();
         self.inner
-            .all_to_all_on(tag, input, &counts, output, &counts, false, false)
+            .all_to_all_on(tag, (input, &counts), (output, &counts), false, false)
     }
 
     /// All-to-all with uneven splits: `send_counts[j]` elements go to rank `j`,
@@ -1099,8 +1100,13 @@ impl ProcessGroup {
         recv_counts: &[usize],
     ) -> Result<()> {
         let tag = self.inner.next_tag();
-        self.inner
-            .all_to_all_on(tag, input, send_counts, output, recv_counts, true, false)
+        self.inner.all_to_all_on(
+            tag,
+            (input, send_counts),
+            (output, recv_counts),
+            true,
+            false,
+        )
     }
 
     /// Async equal [`all_to_all`](Self::all_to_all); the handle's buffer is the output.
@@ -1109,7 +1115,7 @@ impl ProcessGroup {
         let tag = self.inner.next_tag();
         self.spawn("all_to_all", move |g| {
             let mut out = vec![T::zeroed(); input.len()];
-            g.all_to_all_on(tag, &input, &counts, &mut out, &counts, false, false)?;
+            g.all_to_all_on(tag, (&input, &counts), (&mut out, &counts), false, false)?;
             Ok(out)
         })
     }

@@ -186,10 +186,8 @@ fn onebit_rounds(
     let counts = vec![per; n];
     g.all_to_all_on(
         tags[0],
-        &signs,
-        &counts,
-        &mut got_signs,
-        &counts,
+        (&signs, &counts),
+        (&mut got_signs, &counts),
         false,
         true,
     )?;

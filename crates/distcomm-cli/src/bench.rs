@@ -10,7 +10,8 @@ use serde::Serialize;
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
     /// What to measure: p2p, a collective (all_reduce, broadcast, reduce, all_gather, gather,
-    /// scatter, reduce_scatter, all_to_all, barrier) or all.
+    /// scatter, reduce_scatter, all_to_all, barrier), onebit_all_reduce (1-bit compressed,
+    /// average) or all.
     #[arg(default_value = "p2p", value_parser = parse_suite)]
     suite: String,
     /// Ranks to start when not run under a launcher.
@@ -47,6 +48,7 @@ const SUITES: &[&str] = &[
     "reduce_scatter",
     "all_to_all",
     "barrier",
+    "onebit_all_reduce",
     "all",
 ];
 

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use distcomm::commslog::bus_factor;
-use distcomm::{Error, ProcessGroup, ReduceOp, Result};
+use distcomm::{padded_len, Error, OneBitState, ProcessGroup, ReduceOp, Result};
 
 use crate::bench::{record, Record};
 
@@ -13,6 +13,8 @@ struct Bufs {
     a: Vec<f32>,
     b: Vec<f32>,
     block: usize,
+    /// Error feedback of `onebit_all_reduce`.
+    state: OneBitState,
 }
 
 fn bufs(op: &str, n: usize, size: usize) -> Bufs {
@@ -20,13 +22,14 @@ fn bufs(op: &str, n: usize, size: usize) -> Bufs {
     let block = (count / n).max(1);
     // Ops made of per-rank blocks need a whole number of them.
     let len = match op {
-        "all_reduce" | "broadcast" | "reduce" | "barrier" => count,
+        "all_reduce" | "onebit_all_reduce" | "broadcast" | "reduce" | "barrier" => count,
         _ => block * n,
     };
     Bufs {
         a: vec![0.0; len],
         b: vec![0.0; len],
         block,
+        state: OneBitState::default(),
     }
 }
 
@@ -34,6 +37,7 @@ fn once(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
     let (n, k) = (g.size(), x.block);
     match op {
         "all_reduce" => g.all_reduce(&mut x.a, ReduceOp::Sum),
+        "onebit_all_reduce" => g.onebit_all_reduce(&mut x.a, &mut x.state),
         "broadcast" => g.broadcast(&mut x.a, 0),
         "reduce" => g.reduce(&mut x.a, 0, ReduceOp::Sum),
         "all_gather" => g.all_gather(&x.a[..k], &mut x.b[..n * k]),
@@ -57,7 +61,9 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
     let tri = (n * (n + 1) / 2) as f32;
     let pat = |i: usize| (i % 251) as f32;
     match op {
-        "all_reduce" | "reduce" | "reduce_scatter" => x.a.fill(r as f32 + 1.0),
+        "all_reduce" | "onebit_all_reduce" | "reduce" | "reduce_scatter" => {
+            x.a.fill(r as f32 + 1.0)
+        }
         "broadcast" => {
             for (i, v) in x.a.iter_mut().enumerate() {
                 *v = if r == 0 { pat(i) } else { 0.0 };
@@ -77,7 +83,16 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
         _ => {}
     }
     once(g, op, x)?;
+    // Constant inputs r + 1 compress without loss but for the padding, which shrinks every
+    // scale by √(len / padded): the result is the mean, (n + 1) / 2, times that.
+    let len = x.a.len();
+    let onebit = (n + 1) as f64 / 2.0 * (len as f64 / padded_len(len, n) as f64).sqrt();
     let ok = match op {
+        "onebit_all_reduce" => {
+            x.state = OneBitState::default();
+            x.a.iter()
+                .all(|&v| (f64::from(v) - onebit).abs() <= 1e-5 * onebit)
+        }
         "all_reduce" => x.a.iter().all(|&v| v == tri),
         "reduce" => r != 0 || x.a.iter().all(|&v| v == tri),
         "reduce_scatter" => x.b[..k].iter().all(|&v| v == tri),

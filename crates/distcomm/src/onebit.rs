@@ -40,13 +40,34 @@ pub fn padded_len(len: usize, world: usize) -> usize {
     len.div_ceil(8 * world) * 8 * world
 }
 
-/// `‖x‖₂ / √len` (0 for an empty slice), accumulated in f64.
+/// `‖x‖₂ / √len` (0 for an empty slice).
 fn scale(x: &[f32]) -> f32 {
-    if x.is_empty() {
+    norm_scale(sum_sq(x), x.len())
+}
+
+fn norm_scale(sum_sq: f64, len: usize) -> f32 {
+    if len == 0 {
         return 0.0;
     }
-    let sq: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-    (sq.sqrt() / (x.len() as f64).sqrt()) as f32
+    (sum_sq.sqrt() / (len as f64).sqrt()) as f32
+}
+
+/// The sum of squares: f32 lanes over short blocks, blocks summed in f64, so that it vectorises
+/// and stays accurate over millions of elements.
+fn sum_sq(x: &[f32]) -> f64 {
+    let mut total = 0f64;
+    for block in x.chunks(1024) {
+        let mut lanes = [0f32; 8];
+        let mut eights = block.chunks_exact(8);
+        for e in &mut eights {
+            for (l, v) in lanes.iter_mut().zip(e) {
+                *l += v * v;
+            }
+        }
+        let tail: f32 = eights.remainder().iter().map(|v| v * v).sum();
+        total += f64::from(lanes.iter().sum::<f32>() + tail);
+    }
+    total
 }
 
 /// ±1 for a sign bit.
@@ -58,7 +79,16 @@ fn unit(bit: bool) -> f32 {
     }
 }
 
+/// The eight ±1 values of each sign byte, most-significant bit first.
+fn units() -> &'static [[f32; 8]; 256] {
+    static UNITS: std::sync::OnceLock<[[f32; 8]; 256]> = std::sync::OnceLock::new();
+    UNITS.get_or_init(|| {
+        std::array::from_fn(|b| std::array::from_fn(|j| unit(b & (0x80 >> j) != 0)))
+    })
+}
+
 /// Packs the signs of `x` (`x ≥ 0 → 1`) most-significant bit first; `x.len()` is a multiple of 8.
+#[cfg(test)]
 fn pack(x: &[f32], out: &mut [u8]) {
     for (byte, eight) in out.iter_mut().zip(x.chunks_exact(8)) {
         *byte = eight
@@ -68,19 +98,68 @@ fn pack(x: &[f32], out: &mut [u8]) {
 }
 
 /// The sign bit `i` of a packed buffer.
+#[cfg(test)]
 fn bit(packed: &[u8], i: usize) -> bool {
     packed[i / 8] & (0x80 >> (i % 8)) != 0
 }
 
-/// Compresses `x`: returns its scale, writes its packed signs, and turns `x` into what the
-/// compression lost (`x − scale·sign(x)`).
-fn compress(x: &mut [f32], signs: &mut [u8]) -> f32 {
-    let s = scale(x);
-    pack(x, signs);
-    for v in x.iter_mut() {
-        *v -= s * unit(*v >= 0.0);
+/// `x = buf + error` (zero-padded `buf`, `x` as long as `error`), returning its scale: one pass.
+fn compensate(x: &mut Vec<f32>, buf: &[f32], error: &[f32]) -> f32 {
+    x.clear();
+    x.resize(error.len(), 0.0);
+    let mut total = 0f64;
+    let (head, tail) = x.split_at_mut(buf.len());
+    for ((xs, bs), es) in head
+        .chunks_mut(1024)
+        .zip(buf.chunks(1024))
+        .zip(error.chunks(1024))
+    {
+        for ((x, b), e) in xs.iter_mut().zip(bs).zip(es) {
+            *x = b + e;
+        }
+        total += sum_sq(xs);
     }
-    s
+    tail.copy_from_slice(&error[buf.len()..]);
+    total += sum_sq(tail);
+    norm_scale(total, error.len())
+}
+
+/// Compresses `x` (a multiple of 8 long) at scale `s`: writes its packed signs and turns `x`
+/// into what the compression lost (`x − s·sign(x)`).
+fn compress_with(x: &mut [f32], signs: &mut [u8], s: f32) {
+    let units = units();
+    for (byte, eight) in signs.iter_mut().zip(x.chunks_exact_mut(8)) {
+        // Written as lane-wise steps so that the compiler vectorises them.
+        let mut bits = [0u32; 8];
+        for (j, (b, v)) in bits.iter_mut().zip(eight.iter()).enumerate() {
+            *b = u32::from(*v >= 0.0) << (7 - j);
+        }
+        let b = bits.iter().fold(0, |acc, b| acc | b) as u8;
+        for (v, u) in eight.iter_mut().zip(&units[usize::from(b)]) {
+            *v -= s * u;
+        }
+        *byte = b;
+    }
+}
+
+/// `out[i] += w · unit(sign i)` for every element (`out` a multiple of 8 long).
+fn accumulate(out: &mut [f32], packed: &[u8], w: f32) {
+    let units = units();
+    for (eight, &b) in out.chunks_exact_mut(8).zip(packed) {
+        for (v, u) in eight.iter_mut().zip(&units[usize::from(b)]) {
+            *v += w * u;
+        }
+    }
+}
+
+/// `out[i] = s · unit(sign i)` for every element of `out` (any length ≤ 8 × `packed`).
+fn decompress(out: &mut [f32], packed: &[u8], s: f32) {
+    let units = units();
+    for (part, &b) in out.chunks_mut(8).zip(packed) {
+        for (v, u) in part.iter_mut().zip(&units[usize::from(b)]) {
+            *v = s * u;
+        }
+    }
 }
 
 impl ProcessGroup {
@@ -171,48 +250,61 @@ fn onebit_rounds(
         state.worker_error = vec![0.0; padded];
         state.server_error = vec![0.0; chunk];
     }
-    // 1. Compensate and compress this rank's contribution.
-    let mut x = vec![0f32; padded];
-    x[..buf.len()].copy_from_slice(buf);
-    for (v, e) in x.iter_mut().zip(&state.worker_error) {
-        *v += e;
-    }
-    let mut signs = vec![0u8; padded / 8];
-    let my_scale = compress(&mut x, &mut signs);
-    let worker_error = x;
+    // 1. Compensate and compress this rank's contribution. All scratch comes from the group's
+    // pool (no page faults on every call), and the state is replaced only once the call
+    // succeeded.
+    let pool = &g.pool;
+    let zeroed = |len: usize| {
+        let mut v: Vec<u8> = pool.take();
+        v.resize(len, 0);
+        v
+    };
+    let mut x: Vec<f32> = pool.take();
+    let my_scale = compensate(&mut x, buf, &state.worker_error);
+    let mut signs = zeroed(padded / 8);
+    compress_with(&mut x, &mut signs, my_scale);
     // 2. Phase 1: chunk r of every rank's signs to rank r; every rank's scale to all.
     let per = chunk / 8;
-    let mut got_signs = vec![0u8; padded / 8];
+    let mut got_signs = zeroed(padded / 8);
     let counts = vec![per; n];
-    g.all_to_all_on(
-        tags[0],
-        (&signs, &counts),
-        (&mut got_signs, &counts),
-        false,
-        true,
-    )?;
     let mut scales = vec![0f32; n];
-    g.all_gather_on(tags[1], &[my_scale], &mut scales, true)?;
+    let phase1 = g
+        .all_to_all_on(
+            tags[0],
+            (&signs, &counts),
+            (&mut got_signs, &counts),
+            false,
+            true,
+        )
+        .and_then(|()| g.all_gather_on(tags[1], &[my_scale], &mut scales, true));
     // 3. Serve our chunk: average, compensate, compress again.
-    let mut server = state.server_error.clone();
+    let mut server: Vec<f32> = pool.take();
+    server.extend_from_slice(&state.server_error);
     for (packed, s) in got_signs.chunks_exact(per).zip(&scales) {
-        let w = s / n as f32;
-        for (i, v) in server.iter_mut().enumerate() {
-            *v += w * unit(bit(packed, i));
-        }
+        accumulate(&mut server, packed, s / n as f32);
     }
-    let mut server_signs = vec![0u8; per];
-    let server_scale = compress(&mut server, &mut server_signs);
+    let server_scale = scale(&server);
+    let server_signs = &mut signs[..per];
+    compress_with(&mut server, server_signs, server_scale);
     // 4. Phase 2: every server's chunk to everyone.
-    let mut all_signs = vec![0u8; padded / 8];
-    g.all_gather_on(tags[2], &server_signs, &mut all_signs, true)?;
     let mut server_scales = vec![0f32; n];
-    g.all_gather_on(tags[3], &[server_scale], &mut server_scales, true)?;
-    for (i, v) in buf.iter_mut().enumerate() {
-        *v = server_scales[i / chunk] * unit(bit(&all_signs, i));
+    let phase2 = phase1
+        .and_then(|()| g.all_gather_on(tags[2], server_signs, &mut got_signs, true))
+        .and_then(|()| g.all_gather_on(tags[3], &[server_scale], &mut server_scales, true));
+    pool.give(signs);
+    if let Err(e) = phase2 {
+        pool.give(got_signs);
+        pool.give(x);
+        pool.give(server);
+        return Err(e);
     }
-    state.worker_error = worker_error;
-    state.server_error = server;
+    for (i, part) in buf.chunks_mut(chunk).enumerate() {
+        decompress(part, &got_signs[i * per..(i + 1) * per], server_scales[i]);
+    }
+    pool.give(got_signs);
+    // Last in, first out: the next call takes the larger buffer first, for `x`.
+    pool.give(std::mem::replace(&mut state.server_error, server));
+    pool.give(std::mem::replace(&mut state.worker_error, x));
     Ok(())
 }
 
@@ -237,7 +329,8 @@ mod tests {
         let mut x = vec![3.0f32, -1.0, 0.5, -0.5, 2.0, 0.0, -4.0, 1.0];
         let orig = x.clone();
         let mut signs = [0u8; 1];
-        let s = compress(&mut x, &mut signs);
+        let s = scale(&x);
+        compress_with(&mut x, &mut signs, s);
         let norm: f32 = orig.iter().map(|v| v * v).sum::<f32>().sqrt();
         assert!((s - norm / 8f32.sqrt()).abs() < 1e-6);
         for (i, (e, o)) in x.iter().zip(&orig).enumerate() {

@@ -222,6 +222,7 @@ impl GroupBuilder {
             spin,
             yield_spin: oversubscribed,
             sockbuf,
+            data_chunk: env_u64("DISTCOMM_DATA_CHUNK")?.map(|b| (b as usize).max(1)),
         };
         let all_shm = links
             .iter()

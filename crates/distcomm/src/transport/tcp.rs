@@ -82,6 +82,9 @@ pub struct EngineConfig {
     /// Socket send and receive buffer size in bytes; 0 leaves the kernel's autotuning on.
     /// `None`: [`LOCAL_SOCKBUF`] towards peers on this host, autotuning towards others.
     pub sockbuf: Option<usize>,
+    /// The Data chunk size for large messages. `None`: [`DATA_CHUNK`] towards other hosts,
+    /// whole messages ([`LOCAL_DATA_CHUNK`]) on this one.
+    pub data_chunk: Option<usize>,
 }
 
 /// Towards a peer on another host, large messages travel in Data frames of at most this many
@@ -1726,7 +1729,11 @@ impl Engine {
                         rx_start: 0,
                         rx_end: 0,
                         dead: None,
-                        chunk: if local { LOCAL_DATA_CHUNK } else { DATA_CHUNK },
+                        chunk: cfg.data_chunk.unwrap_or(if local {
+                            LOCAL_DATA_CHUNK
+                        } else {
+                            DATA_CHUNK
+                        }),
                     })
                 }
             });

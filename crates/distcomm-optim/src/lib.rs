@@ -33,6 +33,10 @@
 //! # Ok::<(), distcomm_optim::OptimError>(())
 //! ```
 
+mod onebit;
+
+pub use onebit::{OnebitAdam, OnebitAdamConfig, OnebitError};
+
 use half::{bf16, f16};
 
 /// What can go wrong.

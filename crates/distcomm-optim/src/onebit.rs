@@ -114,6 +114,13 @@ impl OnebitAdam {
         self.step
     }
 
+    /// Changes the learning rate (for schedules); checked as [`Adam::set_lr`] does.
+    pub fn set_lr(&mut self, lr: f32) -> Result<(), OptimError> {
+        self.warmup.set_lr(lr)?;
+        self.cfg.lr = lr;
+        Ok(())
+    }
+
     /// Whether the next step compresses (the warm-up is over).
     pub fn compressing(&self) -> bool {
         self.step >= self.cfg.freeze_step

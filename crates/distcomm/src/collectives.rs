@@ -25,6 +25,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
 use crate::intranode::{Arena, Ticket};
+use crate::mpi::{Coll, Comm as MpiComm};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::frame::{Fingerprint, KIND_NAMES};
 use crate::transport::tcp::Envelope;
@@ -172,6 +173,35 @@ impl Inner {
             ));
         }
         Ok(())
+    }
+
+    /// Runs a collective on the MPI backend, booked in the comms log like the native ones
+    /// (bytes sent: what MPI moved is not visible to us, so 0).
+    fn on_mpi<T: Reducible>(&self, m: &MpiComm, call: &Call, coll: Coll<'_, T>) -> Result<()> {
+        let started = Instant::now();
+        // MPI needs every rank to start a communicator's collectives in one order: a blocking
+        // call (in the caller's thread) waits for the async ones issued before it, which the
+        // group's collective thread starts in issue order.
+        if !ON_WORKER.with(|w| w.get()) {
+            while self.queued.load(Ordering::Acquire) > 0 {
+                if started.elapsed() >= self.timeout {
+                    return Err(Error::Timeout {
+                        op: call.kind.name(),
+                        rank: self.rank,
+                        peer: None,
+                        after: self.timeout,
+                    });
+                }
+                std::thread::yield_now();
+            }
+        }
+        let r = m.collective(coll, self.timeout);
+        if r.is_ok() && !call.quiet {
+            let n = self.size();
+            self.log
+                .record(call.kind.name(), call.bytes, n, started.elapsed(), 0);
+        }
+        r
     }
 
     pub(crate) fn next_tag(&self) -> u32 {
@@ -415,6 +445,9 @@ impl Inner {
         let call = Call::new(Kind::AllReduce, buf.len())
             .op(op)
             .bytes(size_of_val(buf));
+        if let Some(m) = &self.mpi {
+            return self.on_mpi(m, &call, Coll::AllReduce(buf, op));
+        }
         if let (Some(t), Some(arena)) = (&ticket, &self.arena) {
             if arena.usable() {
                 return self.arena_all_reduce(arena, t, &call, tag, buf, op);
@@ -454,6 +487,9 @@ impl Inner {
         let call = Call::new(Kind::Broadcast, buf.len())
             .root(root)
             .bytes(size_of_val(buf));
+        if let Some(m) = &self.mpi {
+            return self.on_mpi(m, &call, Coll::Broadcast(buf, root));
+        }
         let bytes = std::mem::size_of_val(buf);
         let scatter_min = if n >= 5 {
             BROADCAST_SCATTER_MIN
@@ -482,6 +518,9 @@ impl Inner {
             .op(op)
             .root(root)
             .bytes(size_of_val(buf));
+        if let Some(m) = &self.mpi {
+            return self.on_mpi(m, &call, Coll::Reduce(buf, root, op));
+        }
         let sched = alg::binomial_reduce(n, r, root, buf.len());
         match (op, T::widen(buf)) {
             (ReduceOp::Avg, Some(mut wide)) => {
@@ -519,6 +558,9 @@ impl Inner {
         let call = Call::new(Kind::AllGather, k)
             .bytes(size_of_val(output))
             .quiet(quiet);
+        if let Some(m) = &self.mpi {
+            return self.on_mpi(m, &call, Coll::AllGather(input, output));
+        }
         self.execute(&call, tag, &alg::ring_all_gather(n, r, n * k), output, &[])
     }
 
@@ -543,10 +585,16 @@ impl Inner {
                     ));
                 }
                 out[r * k..(r + 1) * k].copy_from_slice(input);
-                self.execute(&call, tag, &sched, out, input)
+                match &self.mpi {
+                    Some(m) => self.on_mpi(m, &call, Coll::Gather(input, Some(out), root)),
+                    None => self.execute(&call, tag, &sched, out, input),
+                }
             }
             None if r == root => Err(self.invalid("gather", "the root needs an output".into())),
-            _ => self.execute(&call, tag, &sched, &mut [], input),
+            _ => match &self.mpi {
+                Some(m) => self.on_mpi(m, &call, Coll::Gather(input, None, root)),
+                None => self.execute(&call, tag, &sched, &mut [], input),
+            },
         }
     }
 
@@ -563,7 +611,10 @@ impl Inner {
             .bytes(n * size_of_val(output));
         let sched = alg::direct_scatter(n, r, root, k);
         if r != root {
-            return self.execute(&call, tag, &sched, output, &[]);
+            return match &self.mpi {
+                Some(m) => self.on_mpi(m, &call, Coll::Scatter(None, output, root)),
+                None => self.execute(&call, tag, &sched, output, &[]),
+            };
         }
         let input =
             input.ok_or_else(|| self.invalid("scatter", "the root needs an input".into()))?;
@@ -574,7 +625,10 @@ impl Inner {
             ));
         }
         output.copy_from_slice(&input[r * k..(r + 1) * k]);
-        self.execute(&call, tag, &sched, output, input)
+        match &self.mpi {
+            Some(m) => self.on_mpi(m, &call, Coll::Scatter(Some(input), output, root)),
+            None => self.execute(&call, tag, &sched, output, input),
+        }
     }
 
     fn reduce_scatter_on<T: Reducible>(
@@ -594,6 +648,9 @@ impl Inner {
         let call = Call::new(Kind::ReduceScatter, k)
             .op(op)
             .bytes(size_of_val(input));
+        if let Some(m) = &self.mpi {
+            return self.on_mpi(m, &call, Coll::ReduceScatter(input, output, op));
+        }
         let sched = alg::ring_reduce_scatter(n, r, n * k);
         let mine = r * k..(r + 1) * k;
         match T::widen(input) {
@@ -658,6 +715,10 @@ impl Inner {
         let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() })
             .bytes(size_of_val(input))
             .quiet(quiet);
+        if let Some(m) = &self.mpi {
+            let coll = Coll::AllToAll((input, send_counts), (output, recv_counts));
+            return self.on_mpi(m, &call, coll);
+        }
         self.execute(
             &call,
             tag,
@@ -669,6 +730,8 @@ impl Inner {
 }
 
 thread_local! {
+    /// True in a group's collective thread (see `ProcessGroup::spawn`).
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Bytes this thread's collectives handed to the transport (or put into the shared arena).
     static SENT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
@@ -822,9 +885,12 @@ impl ProcessGroup {
         let cell = Arc::new(OpCell::default());
         let inner = self.inner.clone();
         let done = cell.clone();
+        let queued = self.inner.queued.clone();
+        queued.fetch_add(1, Ordering::AcqRel);
         let job: Job = Box::new(move || {
             let rank = inner.rank;
             let result = f(&inner);
+            inner.queued.fetch_sub(1, Ordering::AcqRel);
             // Release the group before anyone can see the result: the caller may then drop
             // its group and expect the engine to shut down (flushing replies) in its thread.
             drop(inner);
@@ -846,6 +912,7 @@ impl ProcessGroup {
             std::thread::Builder::new()
                 .name(format!("distcomm-coll-{}", self.rank()))
                 .spawn(move || {
+                    ON_WORKER.with(|w| w.set(true));
                     while let Ok(job) = rx.recv() {
                         job();
                     }
@@ -858,6 +925,7 @@ impl ProcessGroup {
             .map(|tx| tx.send(job).is_ok())
             .unwrap_or(false);
         if !sent {
+            queued.fetch_sub(1, Ordering::AcqRel);
             return Err(Error::Aborted {
                 op,
                 rank: self.rank(),

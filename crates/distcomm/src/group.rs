@@ -51,6 +51,29 @@ pub struct GroupBuilder {
     secret: Option<Vec<u8>>,
     transport: Option<TransportKind>,
     store_auth: Option<bool>,
+    backend: Option<Backend>,
+}
+
+/// Which engine carries a group's traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// distcomm's own transports (TCP, shared memory) and collective schedules.
+    Native,
+    /// The system MPI (feature `mpi`): for jobs started by `mpirun` or `srun`.
+    Mpi,
+}
+
+impl Backend {
+    /// `DISTCOMM_BACKEND`: `native` (default, also when unset or empty) or `mpi`.
+    pub fn from_env() -> Result<Backend> {
+        match std::env::var("DISTCOMM_BACKEND").unwrap_or_default().trim() {
+            "" | "native" => Ok(Backend::Native),
+            "mpi" => Ok(Backend::Mpi),
+            other => Err(Error::Config(format!(
+                "DISTCOMM_BACKEND={other:?}: expected native or mpi"
+            ))),
+        }
+    }
 }
 
 impl GroupBuilder {
@@ -67,6 +90,7 @@ impl GroupBuilder {
             secret: None,
             transport: None,
             store_auth: None,
+            backend: None,
         }
     }
 
@@ -131,6 +155,14 @@ impl GroupBuilder {
     }
 
     /// Rendezvous, connect the mesh, and return the group.
+    /// The backend (default: `DISTCOMM_BACKEND`, else native). With [`Backend::Mpi`] the
+    /// store, secret and transport settings do not apply: MPI connects the ranks, and `rank`
+    /// and `world` must agree with MPI's own view (a [`Error::Config`] otherwise).
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
     pub fn build(self) -> Result<ProcessGroup> {
         if self.world == 0 || self.rank >= self.world {
             return Err(Error::Config(format!(
@@ -142,6 +174,13 @@ impl GroupBuilder {
             Some(t) => t,
             None => env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
         };
+        let backend = match self.backend {
+            Some(b) => b,
+            None => Backend::from_env()?,
+        };
+        if backend == Backend::Mpi {
+            return mpi_world(self.rank, self.world, timeout);
+        }
         let (host, _) = split_host_port(&self.store_addr)?;
         let secret = match &self.secret {
             Some(s) => Some(s.clone()),
@@ -254,12 +293,14 @@ impl GroupBuilder {
                 coll_seq: Default::default(),
                 groups: Arc::new(AtomicU32::new(0)),
                 worker: Default::default(),
+                queued: Default::default(),
                 pool: Default::default(),
                 log: Arc::new(crate::commslog::CommsLog::from_env()),
                 keep: Arc::new(Keep {
-                    _store: store,
+                    _store: Some(store),
                     _server: server,
                 }),
+                mpi: None,
             }),
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
@@ -337,7 +378,56 @@ fn split_host_port(addr: &str) -> Result<(String, u16)> {
 /// # Ok(()) }
 /// ```
 pub fn init() -> Result<ProcessGroup> {
+    if Backend::from_env()? == Backend::Mpi {
+        // MPI connects the ranks: no store address is needed, and the launcher's variables
+        // only have to agree with MPI's view when they are there.
+        let (rank, world) = match crate::env::JobEnv::from_env() {
+            Ok(job) => (job.rank, job.world),
+            Err(_) => crate::mpi::world_size()?,
+        };
+        let timeout = env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT);
+        return mpi_world(rank, world, timeout);
+    }
     GroupBuilder::from_env()?.build()
+}
+
+/// The world group on the MPI backend.
+fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGroup> {
+    let comm = crate::mpi::world(rank, world)?;
+    // An engine without peers: the MPI backend's handles have their own driver, but a group
+    // always has an engine to abort and to ask about links.
+    let streams = (0..world).map(|_| None).collect();
+    let links = (0..world).map(|_| None).collect();
+    let cfg = EngineConfig {
+        eager_max: 0,
+        shm_eager_max: 0,
+        spin: Duration::ZERO,
+        yield_spin: true,
+        sockbuf: None,
+        data_chunk: None,
+    };
+    let engine = Engine::start(rank, streams, links, cfg)?;
+    Ok(ProcessGroup {
+        inner: Arc::new(Inner {
+            engine,
+            members: Arc::new((0..world).collect()),
+            rank,
+            ctx: 0,
+            timeout,
+            coll_seq: Default::default(),
+            arena: None,
+            groups: Arc::new(AtomicU32::new(0)),
+            worker: Default::default(),
+            queued: Default::default(),
+            pool: Default::default(),
+            log: Arc::new(crate::commslog::CommsLog::from_env()),
+            keep: Arc::new(Keep {
+                _store: None,
+                _server: None,
+            }),
+            mpi: Some(Arc::new(comm)),
+        }),
+    })
 }
 
 /// A group of ranks that can exchange messages: the world from [`init`], or a subgroup from
@@ -352,7 +442,7 @@ pub struct ProcessGroup {
 
 /// What keeps the rendezvous alive as long as any group of the job lives.
 struct Keep {
-    _store: PrefixStore,
+    _store: Option<PrefixStore>,
     _server: Option<TcpStoreServer>,
 }
 
@@ -378,11 +468,17 @@ pub(crate) struct Inner {
     groups: Arc<AtomicU32>,
     /// Runs this group's asynchronous collectives in issue order.
     pub(crate) worker: Arc<Mutex<Option<mpsc::Sender<Job>>>>,
+    /// Async collectives queued or running on `worker` (the MPI backend starts a blocking
+    /// collective only once they have all run, to keep MPI's order the issue order).
+    pub(crate) queued: Arc<std::sync::atomic::AtomicUsize>,
     /// Scratch buffers of collectives, reused so that large ones are not faulted in anew.
     pub(crate) pool: Arc<crate::collectives::Pool>,
     /// Opt-in per-op statistics.
     pub(crate) log: Arc<crate::commslog::CommsLog>,
     keep: Arc<Keep>,
+    /// The group's MPI communicators when it runs on the MPI backend (then `engine` has no
+    /// peers and carries nothing).
+    pub(crate) mpi: Option<Arc<crate::mpi::Comm>>,
 }
 
 pub(crate) const CTX_USER: u32 = 0;
@@ -432,6 +528,9 @@ impl Inner {
         dst: usize,
     ) -> Result<Work<B>> {
         let g = self.global(env.op, dst)?;
+        if let Some(m) = &self.mpi {
+            return m.isend(env, buf, dst, self.timeout);
+        }
         let env = Envelope {
             ctx: self.ctx + env.ctx,
             ..env
@@ -463,6 +562,9 @@ impl Inner {
                 })
             }
         };
+        if let Some(m) = &self.mpi {
+            return m.irecv(env, buf, src, self.timeout);
+        }
         let env = Envelope {
             ctx: self.ctx + env.ctx,
             ..env
@@ -529,6 +631,9 @@ impl ProcessGroup {
     /// # }
     /// ```
     pub fn transport(&self) -> &'static str {
+        if self.inner.mpi.is_some() {
+            return "mpi";
+        }
         let me = self.inner.rank;
         let kinds = self
             .inner
@@ -560,6 +665,9 @@ impl ProcessGroup {
     /// there is no such rank.
     pub fn transport_to(&self, peer: usize) -> Option<&'static str> {
         let g = *self.inner.members.get(peer)?;
+        if self.inner.mpi.is_some() {
+            return Some("mpi");
+        }
         Some(self.inner.engine.link_kind(g))
     }
 
@@ -611,7 +719,13 @@ impl ProcessGroup {
                 detail: "a group needs at least one rank".into(),
             });
         }
-        let Some(me) = ranks.iter().position(|&r| r == self.rank()) else {
+        let me = ranks.iter().position(|&r| r == self.rank());
+        // On MPI, the split is collective over this group: members and others take part.
+        let mpi = match &self.inner.mpi {
+            Some(m) => m.split(me)?.map(Arc::new),
+            None => None,
+        };
+        let Some(me) = me else {
             return Ok(None);
         };
         let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
@@ -632,9 +746,11 @@ impl ProcessGroup {
                 arena: None,
                 groups: self.inner.groups.clone(),
                 worker: Default::default(),
+                queued: Default::default(),
                 pool: Default::default(),
                 log: Arc::new(crate::commslog::CommsLog::from_env()),
                 keep: self.inner.keep.clone(),
+                mpi,
             }),
         }))
     }
@@ -764,6 +880,9 @@ impl ProcessGroup {
     /// Blocks until every rank of the group has entered the barrier (dissemination algorithm,
     /// ⌈log₂ n⌉ rounds of zero-byte messages).
     pub fn barrier(&self) -> Result<()> {
+        if let Some(m) = &self.inner.mpi {
+            return m.barrier(self.timeout());
+        }
         let n = self.size();
         let me = self.rank();
         let mut dist = 1;
@@ -793,6 +912,9 @@ impl ProcessGroup {
     /// Fails every pending operation of this process (all groups) promptly with
     /// [`Error::Aborted`]; later operations fail at once.
     pub fn abort(&self) {
+        if let Some(m) = &self.inner.mpi {
+            m.abort("aborted by the user");
+        }
         self.inner.engine.abort("aborted by the user");
     }
 

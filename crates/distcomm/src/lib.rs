@@ -39,6 +39,7 @@ mod intranode;
 #[path = "intranode_stub.rs"]
 mod intranode;
 pub mod launch;
+pub mod mpi;
 mod onebit;
 pub mod pipeline;
 pub mod reduce;
@@ -48,7 +49,7 @@ mod work;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+pub use group::{init, Backend, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
 pub use onebit::{padded_len, OneBitState};
 pub use pipeline::{PipeStage, Tensor, TensorWork};
 pub use reduce::{ReduceOp, Reducible};

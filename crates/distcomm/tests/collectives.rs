@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::run;
+use common::{run, run_native};
 use distcomm::{DType, Element, Error, ProcessGroup, ReduceOp, Reducible};
 use half::{bf16, f16};
 
@@ -396,7 +396,7 @@ fn subgroups_disjoint_and_overlapping() {
 
 #[test]
 fn desync_is_an_error_on_every_involved_rank() {
-    run("desync_is_an_error_on_every_involved_rank", &[2, 3], |g| {
+    run_native("desync_is_an_error_on_every_involved_rank", &[2, 3], |g| {
         let r = g.rank();
         // Same collective, different counts.
         let mut buf = vec![1f32; 10 + r];
@@ -562,7 +562,7 @@ fn comms_log_counts_ops_and_keeps_async_async() {
 
 #[test]
 fn a_rank_dying_mid_collective_fails_the_others_promptly() {
-    run(
+    run_native(
         "a_rank_dying_mid_collective_fails_the_others_promptly",
         &[3, 4],
         |g| {

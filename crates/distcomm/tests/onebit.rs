@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{run, run_env};
+use common::run;
 use distcomm::{padded_len, OneBitState};
 
 /// Rank r's input at call k.
@@ -171,7 +171,7 @@ fn async_calls_in_flight_together_match_too() {
 
 #[test]
 fn the_comms_log_counts_the_bytes_each_call_sent() {
-    run_env(
+    common::run_native_env(
         "the_comms_log_counts_the_bytes_each_call_sent",
         &[2, 3, 4],
         // The network schedule, so that the exact all_reduce's bytes follow the ring formula.

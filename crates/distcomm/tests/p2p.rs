@@ -4,7 +4,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{block_on, pattern, run};
+use common::{block_on, pattern, run, run_native};
 use distcomm::{Error, ProcessGroup, Work};
 
 const ALL: &[usize] = &[1, 2, 3, 4, 5];
@@ -297,7 +297,7 @@ fn size_mismatch(g: &ProcessGroup, len: usize, tag: u32) {
 
 #[test]
 fn oversized_message_fails_both_sides() {
-    run("oversized_message_fails_both_sides", &[2], |g| {
+    run_native("oversized_message_fails_both_sides", &[2], |g| {
         size_mismatch(g, 1000, 1); // eager
         size_mismatch(g, 4 << 20, 2); // receiver-ready handshake
                                       // The connection survives: normal traffic continues.
@@ -315,7 +315,7 @@ fn exchange_pair(g: &ProcessGroup) {
 
 #[test]
 fn element_type_mismatch_fails_both_sides() {
-    run("element_type_mismatch_fails_both_sides", &[2], |g| {
+    run_native("element_type_mismatch_fails_both_sides", &[2], |g| {
         let peer = 1 - g.rank();
         for (tag, len) in [(1u32, 10usize), (2, 1 << 20)] {
             if g.rank() == 0 {
@@ -348,7 +348,7 @@ fn element_type_mismatch_fails_both_sides() {
 
 #[test]
 fn peer_exit_mid_transfer_fails_dependent_operations() {
-    run(
+    run_native(
         "peer_exit_mid_transfer_fails_dependent_operations",
         &[2, 3, 4],
         |g| {
@@ -416,7 +416,7 @@ fn abort_fails_pending_work() {
 
 #[test]
 fn a_stopped_peer_times_out_without_closing_anything() {
-    run(
+    run_native(
         "a_stopped_peer_times_out_without_closing_anything",
         &[3],
         |g| {
@@ -474,7 +474,7 @@ fn a_stopped_peer_times_out_without_closing_anything() {
 
 #[test]
 fn killed_rank_fails_every_dependent_operation_and_spares_the_rest() {
-    run(
+    run_native(
         "killed_rank_fails_every_dependent_operation_and_spares_the_rest",
         &[4],
         |g| {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::run;
+use common::{run, run_native};
 use distcomm::{Element, Error, PipeStage, ProcessGroup, Tensor};
 use half::{bf16, f16};
 
@@ -149,7 +149,7 @@ fn forward_and_backward_between_two_stages_stay_apart() {
 
 #[test]
 fn a_tensor_of_the_wrong_type_is_a_typed_error_on_both_sides() {
-    run(
+    run_native(
         "a_tensor_of_the_wrong_type_is_a_typed_error_on_both_sides",
         &[2],
         |g| {

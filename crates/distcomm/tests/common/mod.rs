@@ -14,6 +14,9 @@ const CHILD: &str = "DISTCOMM_HARNESS_TEST";
 /// The transport every rank must report: `DISTCOMM_EXPECT_TRANSPORT`, else what
 /// `DISTCOMM_TRANSPORT` asks for (`auto` is shared memory on one Linux host).
 pub fn expected_transport() -> String {
+    if mpi_mode().is_some() {
+        return "mpi".into();
+    }
     if let Ok(t) = std::env::var("DISTCOMM_EXPECT_TRANSPORT") {
         return t;
     }
@@ -35,8 +38,54 @@ pub fn run(name: &str, worlds: &[usize], body: fn(&ProcessGroup)) {
     run_env(name, worlds, &[], body)
 }
 
+/// The world size when this test binary runs as a rank of an `mpirun` job on the MPI backend
+/// (`DISTCOMM_BACKEND=mpi mpirun -n N <test binary> --test-threads=1`): every process runs every
+/// test, each test runs once, on that world size, if it is one of the test's.
+pub fn mpi_mode() -> Option<usize> {
+    if std::env::var("DISTCOMM_BACKEND").as_deref() != Ok("mpi") {
+        return None;
+    }
+    std::env::var("OMPI_COMM_WORLD_SIZE").ok()?.parse().ok()
+}
+
+/// Like [`run`] for tests of what only the native backend does (refusing a message on the
+/// sender's side too, peers dying, desync detection): skipped on the MPI backend.
+pub fn run_native(name: &str, worlds: &[usize], body: fn(&ProcessGroup)) {
+    run_native_env(name, worlds, &[], body);
+}
+
+/// [`run_native`] with extra environment.
+pub fn run_native_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&ProcessGroup)) {
+    if mpi_mode().is_none() {
+        run_env(name, worlds, env, body);
+    }
+}
+
+fn run_mpi(n: usize, worlds: &[usize], env: &[(&str, &str)], body: fn(&ProcessGroup)) {
+    if !worlds.contains(&n) {
+        return;
+    }
+    // Tests run one at a time in each rank (--test-threads=1), so the environment is ours.
+    for (k, v) in env {
+        std::env::set_var(k, v);
+    }
+    let group = distcomm::init().unwrap_or_else(|e| panic!("init failed: {e}"));
+    assert_eq!(group.transport(), "mpi", "wrong backend ran");
+    body(&group);
+    // In step for the next test, on a group of its own (the test's may have been aborted).
+    drop(group);
+    let sync = distcomm::init().and_then(|g| g.barrier());
+    sync.unwrap_or_else(|e| panic!("final barrier: {e}"));
+    for (k, _) in env {
+        std::env::remove_var(k);
+    }
+}
+
 /// Like [`run`] with extra environment for the ranks.
 pub fn run_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&ProcessGroup)) {
+    if let Some(n) = mpi_mode() {
+        return run_mpi(n, worlds, env, body);
+    }
     if let Ok(selected) = std::env::var(CHILD) {
         if selected != name {
             return;
@@ -57,6 +106,9 @@ pub fn run_env(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn(&Pro
 
 /// Runs `body` as every rank without initialising a group first (for tests of init itself).
 pub fn run_raw(name: &str, worlds: &[usize], env: &[(&str, &str)], body: fn()) {
+    if mpi_mode().is_some() {
+        return;
+    }
     if let Ok(selected) = std::env::var(CHILD) {
         if selected == name {
             body();

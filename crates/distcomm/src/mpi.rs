@@ -139,11 +139,20 @@ mod imp {
     // SAFETY: as for Send.
     unsafe impl<H> Sync for Handle<H> {}
 
-    /// A receive waiting for its message, or receiving it.
+    /// A receive waiting for its message, or receiving it: matched by a probe (source and
+    /// length known), or posted to MPI directly (learnt from the status at the end).
     enum RecvState {
         Probing,
         Receiving(Handle<ffi::MPI_Request>, usize, usize),
+        Posted(Handle<ffi::MPI_Request>),
     }
+
+    /// Receives into fixed buffers of at least this many bytes are posted to MPI directly
+    /// (`MPI_Irecv`), so that large messages go straight into place the moment they arrive;
+    /// smaller ones, and buffers sized by the message, are matched by probing, which also gives
+    /// a too-long message's exact size. Measured on 2 ranks (Open MPI, shared memory): 64 MiB
+    /// ping-pong 5.3–6.3 GB/s probed, against MPI's own 7.0–7.3.
+    const DIRECT_MIN: usize = 64 << 10;
 
     enum Kind {
         Send(Handle<ffi::MPI_Request>),
@@ -526,6 +535,51 @@ mod imp {
                     p.bytes = len;
                     test(p, req)
                 }
+                RecvState::Posted(req) => {
+                    let mut req = req.0;
+                    let mut flag: c_int = 0;
+                    let mut st = std::mem::MaybeUninit::<ffi::MPI_Status>::zeroed();
+                    // SAFETY: our live request, under the lock; the status is a local.
+                    let rc = unsafe { ffi::MPI_Test(&mut req, &mut flag, st.as_mut_ptr()) };
+                    // SAFETY: zero-initialised, and written by MPI_Test when it finished.
+                    let st = unsafe { st.assume_init() };
+                    if class(rc) == ffi::MPI_ERR_TRUNCATE
+                        || (rc != 0
+                            && st.MPI_ERROR != 0
+                            && class(st.MPI_ERROR) == ffi::MPI_ERR_TRUNCATE)
+                    {
+                        let cap = p.buf.as_ref().map_or(0, |b| b.bytes().len());
+                        p.cell.complete(
+                            Err(Error::MessageTooLarge {
+                                op: p.op,
+                                rank: p.rank,
+                                src: st.MPI_SOURCE.max(0) as usize,
+                                dst: p.rank,
+                                tag: p.tag,
+                                // MPI does not say how long it was: more than the buffer.
+                                sent: cap as u64 + 1,
+                                capacity: cap as u64,
+                            }),
+                            None,
+                        );
+                        p.buf = None;
+                        return true;
+                    }
+                    if let Err(e) = check(rc, p.op, p.rank, Some(p.peer)) {
+                        p.cell.complete(Err(e), None);
+                        p.buf = None;
+                        return true;
+                    }
+                    if flag == 0 {
+                        return false;
+                    }
+                    let mut count: c_int = 0;
+                    // SAFETY: a status MPI just filled, a pointer to a local.
+                    unsafe { ffi::MPI_Get_count(&st, ffi::RSMPI_UINT8_T, &mut count) };
+                    p.peer = st.MPI_SOURCE.max(0) as usize;
+                    p.bytes = count.max(0) as usize;
+                    true
+                }
             },
         }
     }
@@ -792,14 +846,46 @@ mod imp {
             if let Some(w) = self.refused(&t, env.op, src, timeout) {
                 return Ok(w);
             }
+            let chan = self.id * 4 + u64::from(env.ctx % 4);
+            // SAFETY: reading rsmpi's exported constant.
+            let mpi_src = src.map_or(unsafe { ffi::RSMPI_ANY_SOURCE }, |s| s as c_int);
+            // Posted directly only when no earlier receive on this channel and tag is still
+            // probing: MPI would hand the next message to the posted one first.
+            let mut buf = buf;
+            let probing_before = t.pending.iter().any(|p| {
+                p.tag == env.tag
+                    && matches!(p.kind, Kind::Recv { chan: c, state: RecvState::Probing, .. } if c == chan)
+            });
+            let len = buf.bytes().len();
+            let state = match c_int::try_from(len) {
+                Ok(count) if len >= DIRECT_MIN && !buf.sized_by_message() && !probing_before => {
+                    let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+                    // SAFETY: the buffer is owned by the pending entry pushed below until MPI
+                    // reports the request complete; valid communicator; under the lock.
+                    let rc = unsafe {
+                        ffi::MPI_Irecv(
+                            bytes_ptr(buf.bytes_mut()).cast_mut(),
+                            count,
+                            ffi::RSMPI_UINT8_T,
+                            mpi_src,
+                            env.tag as c_int,
+                            comm.0,
+                            req.as_mut_ptr(),
+                        )
+                    };
+                    check(rc, env.op, self.world_rank, src)?;
+                    // SAFETY: MPI_Irecv succeeded and wrote the request.
+                    RecvState::Posted(Handle(unsafe { req.assume_init() }))
+                }
+                _ => RecvState::Probing,
+            };
             t.pending.push(Pending {
                 id,
                 kind: Kind::Recv {
                     comm,
-                    chan: self.id * 4 + u64::from(env.ctx % 4),
-                    // SAFETY: reading rsmpi's exported constant.
-                    src: src.map_or(unsafe { ffi::RSMPI_ANY_SOURCE }, |s| s as c_int),
-                    state: RecvState::Probing,
+                    chan,
+                    src: mpi_src,
+                    state,
                 },
                 cell: cell.clone(),
                 buf: Some(buf),

@@ -43,6 +43,11 @@ pub(crate) trait WireBuf: Send + 'static {
     fn fit(&mut self, _len: usize) -> bool {
         false
     }
+    /// Whether [`fit`](WireBuf::fit) sizes this buffer by the message (so a receive into it
+    /// must learn the size before receiving).
+    fn sized_by_message(&self) -> bool {
+        false
+    }
 }
 
 impl<T: crate::Element> WireBuf for Vec<T> {
@@ -76,6 +81,9 @@ impl<T: crate::Element> WireBuf for Fitted<T> {
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         Box::new(self.vec)
+    }
+    fn sized_by_message(&self) -> bool {
+        true
     }
     fn fit(&mut self, len: usize) -> bool {
         let size = std::mem::size_of::<T>();

@@ -44,7 +44,8 @@ pub(crate) trait WireBuf: Send + 'static {
         false
     }
     /// Whether [`fit`](WireBuf::fit) sizes this buffer by the message (so a receive into it
-    /// must learn the size before receiving).
+    /// must learn the size before receiving). Asked by the MPI backend.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     fn sized_by_message(&self) -> bool {
         false
     }

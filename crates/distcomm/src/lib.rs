@@ -29,6 +29,7 @@
 pub mod algorithms;
 mod collectives;
 pub mod commslog;
+pub mod device;
 pub mod dtype;
 pub mod env;
 pub mod error;
@@ -44,6 +45,7 @@ mod onebit;
 pub mod pipeline;
 pub mod reduce;
 pub mod rendezvous;
+pub mod staging;
 pub mod transport;
 mod work;
 
@@ -53,6 +55,7 @@ pub use group::{init, Backend, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_
 pub use onebit::{padded_len, OneBitState};
 pub use pipeline::{PipeStage, Tensor, TensorWork};
 pub use reduce::{ReduceOp, Reducible};
+pub use staging::{CopyStats, StagedWork};
 pub use transport::TransportKind;
 pub use work::{Status, Work};
 

@@ -19,7 +19,7 @@
 //!   and a background thread tests pending requests so that they finish without anyone
 //!   waiting. Outcomes are sticky as on the native backend.
 //! * **Errors**: communicators return errors (`MPI_ERRORS_RETURN`, rsmpi's default is to
-//!   abort), and every code maps to a typed [`Error`].
+//!   abort), and every code maps to a typed [`Error`](crate::Error).
 //! * **What MPI cannot do**: withdraw a collective. A collective still pending at its deadline
 //!   may yet write into the caller's buffer, so returning would be unsound: the job is aborted
 //!   (`MPI_Abort`) with a message naming the operation instead of hanging. Element types are not

@@ -336,6 +336,11 @@ impl<B: 'static> Work<B> {
         }
     }
 
+    /// The deadline `wait` uses.
+    pub(crate) fn default_timeout(&self) -> Duration {
+        self.default_timeout
+    }
+
     /// The engine's id of the operation.
     pub(crate) fn id(&self) -> u64 {
         self.op_id

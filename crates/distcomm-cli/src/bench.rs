@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Messages in flight in the streaming test.
     #[arg(long, default_value_t = 16)]
     window: usize,
+    /// The device of `bench staging`: emulated (host memory staged as a GPU's would be) or
+    /// host (no staging).
+    #[arg(long, default_value = "emulated")]
+    device: String,
 }
 
 const SUITES: &[&str] = &[
@@ -49,6 +53,7 @@ const SUITES: &[&str] = &[
     "all_to_all",
     "barrier",
     "onebit_all_reduce",
+    "staging",
     "all",
 ];
 
@@ -87,6 +92,23 @@ pub struct Record {
     pub time_us: f64,
     pub algbw_gbs: f64,
     pub busbw_gbs: f64,
+    /// `bench staging` only.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<Staging>,
+}
+
+/// What `bench staging` adds to a record.
+#[derive(Serialize, Clone)]
+pub struct Staging {
+    pub device: &'static str,
+    pub copies_per_op: u64,
+    pub staged_bytes_per_op: u64,
+    /// The same receive into host memory.
+    pub host_time_us: f64,
+    /// One upload of the size, alone.
+    pub upload_us: f64,
+    /// Staged time ÷ (host time + one upload).
+    pub ratio: f64,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -104,11 +126,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
     };
     let suites: Vec<&'static str> = match args.suite.as_str() {
-        "all" => SUITES[..SUITES.len() - 1].to_vec(),
+        "all" => SUITES[..SUITES.len() - 2].to_vec(),
         one => SUITES.iter().copied().filter(|s| *s == one).collect(),
     };
-    if suites.contains(&"p2p") && group.size() < 2 {
-        return Err(Error::Config("bench p2p needs at least 2 ranks".into()));
+    if (suites.contains(&"p2p") || suites.contains(&"staging")) && group.size() < 2 {
+        return Err(Error::Config(format!(
+            "bench {} needs at least 2 ranks",
+            args.suite
+        )));
     }
     let lead = group.rank() == 0;
     let bar = if lead {
@@ -159,12 +184,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     v.extend(stream(&group, size, args.window.max(1), !args.no_check)?);
                     v
                 }
+                "staging" => crate::stagebench::run_size(&group, &args.device, size)?
+                    .into_iter()
+                    .collect(),
                 op => crate::collbench::run_op(&group, op, size, !args.no_check)?
                     .into_iter()
                     .collect(),
             };
             group.barrier()?;
             for rec in recs {
+                if let Some(st) = &rec.staging {
+                    say(format!(
+                        "  {:>10} {:>10} staged {:>10.1} us  host {:>10.1} us  upload {:>9.1} us  copies {}  ratio {:.3}",
+                        rec.bytes, st.device, rec.time_us, st.host_time_us, st.upload_us, st.copies_per_op, st.ratio
+                    ));
+                    records.push(rec);
+                    continue;
+                }
                 let elem = if rec.op == "pingpong" || rec.op == "stream" {
                     1
                 } else {
@@ -237,7 +273,7 @@ fn verify(buf: &[u8], seed: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
@@ -265,6 +301,7 @@ pub fn record(
         time_us: secs * 1e6,
         algbw_gbs: algbw,
         busbw_gbs: algbw * factor,
+        staging: None,
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod collbench;
 mod plot;
+mod stagebench;
 
 use std::ffi::OsString;
 use std::process::ExitCode;

@@ -114,3 +114,45 @@ fn incomplete_environment_names_missing_variables() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_staging_reports_copies_per_op() {
+    let dir = std::env::temp_dir().join(format!("distcomm-cli-staging-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (device, copies) in [("emulated", 1), ("host", 0)] {
+        let json = dir.join(format!("{device}.json"));
+        let out = distcomm()
+            .args([
+                "bench", "staging", "--device", device, "--sizes", "8,1M", "--json",
+            ])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let recs: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let recs = recs.as_array().unwrap();
+        assert_eq!(recs.len(), 2);
+        for r in recs {
+            assert_eq!(r["op"], "staged_irecv");
+            assert_eq!(r["device"], device);
+            assert_eq!(r["copies_per_op"], copies);
+            assert_eq!(
+                r["staged_bytes_per_op"],
+                copies * r["bytes"].as_u64().unwrap()
+            );
+            assert!(r["host_time_us"].as_f64().unwrap() > 0.0);
+        }
+    }
+    let out = distcomm()
+        .args(["bench", "staging", "--device", "cuda", "--sizes", "8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

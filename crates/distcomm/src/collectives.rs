@@ -771,6 +771,21 @@ impl Pool {
             .unwrap_or_default()
     }
 
+    /// A buffer of exactly `len` elements whose contents are whatever they were (zeros where it
+    /// had to grow): for targets that are overwritten anyway, without paying to clear them.
+    pub(crate) fn take_len<T: Reducible>(&self, len: usize) -> Vec<T> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = free
+            .get_mut(&std::any::TypeId::of::<T>())
+            .and_then(|v| v.pop())
+            .and_then(|b| b.downcast::<Vec<T>>().ok())
+            .map(|b| *b)
+            .unwrap_or_default();
+        drop(free);
+        v.resize(len, T::zeroed());
+        v
+    }
+
     /// Returns a buffer for reuse.
     pub(crate) fn give<T: Reducible>(&self, buf: Vec<T>) {
         if buf.capacity() == 0 {

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::collectives::Pool;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
@@ -84,6 +85,9 @@ struct State<D: Device> {
 #[must_use = "a StagedWork should be waited; dropping it detaches the operation"]
 pub struct StagedWork<D: Device> {
     dev: Arc<D>,
+    /// Where the host copy goes back once the transfer is done (the group's scratch pool, so
+    /// that repeated staging does not fault in fresh pages every time).
+    pool: Arc<Pool>,
     dir: Dir,
     /// Whether the transport works on the buffer itself (nothing staged).
     direct: bool,
@@ -168,19 +172,27 @@ impl<D: Device> StagedWork<D> {
             Err(e) => Err(e),
             Ok(status) => match w.into_buffer() {
                 Err(e) => Err(e),
-                Ok(host) => self.land(st, host).map(|()| status),
+                Ok(host) => self.land(st, host, status.bytes).map(|()| status),
             },
         };
         st.outcome = Some(outcome);
     }
 
-    /// Where the host buffer of a finished transfer goes.
-    fn land(&self, st: &mut State<D>, host: Vec<u8>) -> Result<()> {
+    /// Where the host buffer of a finished transfer goes (`n`: the bytes it carried).
+    fn land(&self, st: &mut State<D>, host: Vec<u8>, n: usize) -> Result<()> {
         if self.direct {
             // The transport worked on the device buffer itself: it is the buffer.
             st.device = self.dev.buffer_of_host(host);
             return Ok(());
         }
+        let r = self.publish(st, &host[..n.min(host.len())]);
+        self.pool.give(host);
+        r
+    }
+
+    /// A successful staged receive's data to the device: its one host → device copy (of what
+    /// arrived: a shorter message leaves the rest of the device buffer as it was).
+    fn publish(&self, st: &mut State<D>, host: &[u8]) -> Result<()> {
         if self.dir == Dir::Send {
             return Ok(());
         }
@@ -188,8 +200,7 @@ impl<D: Device> StagedWork<D> {
         let Some(dev_buf) = device.as_mut() else {
             return Ok(());
         };
-        let n = host.len();
-        stats.count(n, || self.dev.upload(&host, dev_buf))
+        stats.count(host.len(), || self.dev.upload(host, dev_buf))
     }
 }
 
@@ -222,13 +233,13 @@ impl ProcessGroup {
         let (work, device, direct) = match dev.host_memory(buf) {
             Ok(host) => (self.isend_bytes(host, dst, tag)?, None, true),
             Err(buf) => {
-                let mut host = vec![0u8; dev.len(&buf)];
+                let mut host = self.staging_buffer(dev.len(&buf));
                 let n = host.len();
                 stats.count(n, || dev.download(&buf, &mut host))?;
                 (self.isend_bytes(host, dst, tag)?, Some(buf), false)
             }
         };
-        Ok(staged(dev, Dir::Send, direct, work, device, stats))
+        Ok(self.staged(dev, Dir::Send, direct, work, device, stats))
     }
 
     /// Starts receiving into a device buffer from `src`: into a host buffer allocated without
@@ -245,18 +256,12 @@ impl ProcessGroup {
         let (work, device, direct) = match dev.host_memory(buf) {
             Ok(host) => (self.irecv_bytes(host, src, tag)?, None, true),
             Err(buf) => {
-                let host = vec![0u8; dev.len(&buf)];
+                let host = self.staging_buffer(dev.len(&buf));
                 (self.irecv_bytes(host, src, tag)?, Some(buf), false)
             }
         };
-        Ok(staged(
-            dev,
-            Dir::Recv,
-            direct,
-            work,
-            device,
-            CopyStats::default(),
-        ))
+        let stats = CopyStats::default();
+        Ok(self.staged(dev, Dir::Recv, direct, work, device, stats))
     }
 
     /// All-reduces a device buffer of `T` elements in place, staged with one copy in and one
@@ -288,23 +293,34 @@ impl ProcessGroup {
     }
 }
 
-fn staged<D: Device>(
-    dev: &Arc<D>,
-    dir: Dir,
-    direct: bool,
-    work: Work<Vec<u8>>,
-    device: Option<D::Buffer>,
-    stats: CopyStats,
-) -> StagedWork<D> {
-    StagedWork {
-        dev: dev.clone(),
-        dir,
-        direct,
-        state: Mutex::new(State {
-            work: Some(work),
-            device,
-            outcome: None,
-            stats,
-        }),
+impl ProcessGroup {
+    /// A host buffer of `len` bytes from the group's pool, not cleared (a receive's target is
+    /// overwritten by the message and only what arrived is uploaded; a send's by its download;
+    /// clearing 64 MiB cost a quarter of a staged receive) and never read from the device.
+    fn staging_buffer(&self, len: usize) -> Vec<u8> {
+        self.inner.pool.take_len(len)
+    }
+
+    fn staged<D: Device>(
+        &self,
+        dev: &Arc<D>,
+        dir: Dir,
+        direct: bool,
+        work: Work<Vec<u8>>,
+        device: Option<D::Buffer>,
+        stats: CopyStats,
+    ) -> StagedWork<D> {
+        StagedWork {
+            dev: dev.clone(),
+            pool: self.inner.pool.clone(),
+            dir,
+            direct,
+            state: Mutex::new(State {
+                work: Some(work),
+                device,
+                outcome: None,
+                stats,
+            }),
+        }
     }
 }

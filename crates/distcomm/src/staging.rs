@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::collectives::Pool;
 use crate::device::Device;
+use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::work::{Status, Work};
@@ -70,9 +71,9 @@ enum Dir {
     Recv,
 }
 
-struct State<D: Device> {
+struct State<D: Device, E> {
     /// The transfer, until it is terminal and its outcome taken.
-    work: Option<Work<Vec<u8>>>,
+    work: Option<Work<Vec<E>>>,
     /// The device buffer: a send's source, a receive's target.
     device: Option<D::Buffer>,
     /// The terminal outcome, once taken (published, for a successful receive).
@@ -83,7 +84,10 @@ struct State<D: Device> {
 /// A staged (or direct) point-to-point operation on a device buffer. Like a [`Work`], with
 /// the device buffer back from [`into_buffer`](StagedWork::into_buffer).
 #[must_use = "a StagedWork should be waited; dropping it detaches the operation"]
-pub struct StagedWork<D: Device> {
+///
+/// `E` is the element type of the host copy: bytes for point-to-point, the reduced type for a
+/// collective.
+pub struct StagedWork<D: Device, E: Element = u8> {
     dev: Arc<D>,
     /// Where the host copy goes back once the transfer is done (the group's scratch pool, so
     /// that repeated staging does not fault in fresh pages every time).
@@ -91,11 +95,11 @@ pub struct StagedWork<D: Device> {
     dir: Dir,
     /// Whether the transport works on the buffer itself (nothing staged).
     direct: bool,
-    state: Mutex<State<D>>,
+    state: Mutex<State<D, E>>,
 }
 
-impl<D: Device> StagedWork<D> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State<D>> {
+impl<D: Device, E: Element + Reducible> StagedWork<D, E> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<D, E>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -166,7 +170,7 @@ impl<D: Device> StagedWork<D> {
 
     /// Takes the terminal outcome of the transfer; for a successful staged receive, uploads
     /// the data (the only host → device copy it ever makes).
-    fn finish(&self, st: &mut State<D>) {
+    fn finish(&self, st: &mut State<D, E>) {
         let Some(mut w) = st.work.take() else { return };
         let outcome = match w.wait_timeout(Duration::ZERO) {
             Err(e) => Err(e),
@@ -179,20 +183,24 @@ impl<D: Device> StagedWork<D> {
     }
 
     /// Where the host buffer of a finished transfer goes (`n`: the bytes it carried).
-    fn land(&self, st: &mut State<D>, host: Vec<u8>, n: usize) -> Result<()> {
+    fn land(&self, st: &mut State<D, E>, host: Vec<E>, n: usize) -> Result<()> {
         if self.direct {
-            // The transport worked on the device buffer itself: it is the buffer.
-            st.device = self.dev.buffer_of_host(host);
+            // The transport worked on the device buffer itself: it is the buffer (only byte
+            // buffers are ever direct).
+            let any: Box<dyn std::any::Any> = Box::new(host);
+            let bytes = any.downcast::<Vec<u8>>().map(|b| *b).unwrap_or_default();
+            st.device = self.dev.buffer_of_host(bytes);
             return Ok(());
         }
-        let r = self.publish(st, &host[..n.min(host.len())]);
+        let bytes: &[u8] = bytemuck::cast_slice(&host);
+        let r = self.publish(st, &bytes[..n.min(bytes.len())]);
         self.pool.give(host);
         r
     }
 
     /// A successful staged receive's data to the device: its one host → device copy (of what
     /// arrived: a shorter message leaves the rest of the device buffer as it was).
-    fn publish(&self, st: &mut State<D>, host: &[u8]) -> Result<()> {
+    fn publish(&self, st: &mut State<D, E>, host: &[u8]) -> Result<()> {
         if self.dir == Dir::Send {
             return Ok(());
         }
@@ -274,10 +282,44 @@ impl ProcessGroup {
     ) -> Result<CopyStats> {
         let mut stats = CopyStats::default();
         let n = dev.len(buf);
+        let mut host: Vec<T> = self.whole_elements("all_reduce", n)?;
+        stats.count(n, || dev.download(buf, bytemuck::cast_slice_mut(&mut host)))?;
+        let r = self.all_reduce(&mut host, op);
+        if r.is_ok() {
+            stats.count(n, || dev.upload(bytemuck::cast_slice(&host), buf))?;
+        }
+        self.inner.pool.give(host);
+        r.map(|()| stats)
+    }
+}
+
+impl ProcessGroup {
+    /// Async [`all_reduce_device`](Self::all_reduce_device): one device → host copy now, the
+    /// reduction on the group's collective thread, and the host → device copy only inside
+    /// completion (`wait`, `is_completed`, `into_buffer`), after success; a failed reduction
+    /// leaves the device buffer as it was.
+    pub fn all_reduce_device_async<D: Device, T: Reducible>(
+        &self,
+        dev: &Arc<D>,
+        buf: D::Buffer,
+        op: ReduceOp,
+    ) -> Result<StagedWork<D, T>> {
+        let mut stats = CopyStats::default();
+        let n = dev.len(&buf);
+        let mut host: Vec<T> = self.whole_elements("all_reduce", n)?;
+        stats.count(n, || {
+            dev.download(&buf, bytemuck::cast_slice_mut(&mut host))
+        })?;
+        let work = self.all_reduce_async(host, op)?;
+        Ok(self.staged(dev, Dir::Recv, false, work, Some(buf), stats))
+    }
+
+    /// A host buffer for `n` bytes of `T`, or why there is none.
+    fn whole_elements<T: Reducible>(&self, op: &'static str, n: usize) -> Result<Vec<T>> {
         let size = std::mem::size_of::<T>();
         if n % size != 0 {
             return Err(Error::InvalidArgument {
-                op: "all_reduce",
+                op,
                 rank: self.rank(),
                 detail: format!(
                     "a device buffer of {n} bytes is not a whole number of {}",
@@ -285,15 +327,9 @@ impl ProcessGroup {
                 ),
             });
         }
-        let mut host = vec![<T as bytemuck::Zeroable>::zeroed(); n / size];
-        stats.count(n, || dev.download(buf, bytemuck::cast_slice_mut(&mut host)))?;
-        self.all_reduce(&mut host, op)?;
-        stats.count(n, || dev.upload(bytemuck::cast_slice(&host), buf))?;
-        Ok(stats)
+        Ok(self.inner.pool.take_len(n / size))
     }
-}
 
-impl ProcessGroup {
     /// A host buffer of `len` bytes from the group's pool, not cleared (a receive's target is
     /// overwritten by the message and only what arrived is uploaded; a send's by its download;
     /// clearing 64 MiB cost a quarter of a staged receive) and never read from the device.
@@ -301,15 +337,15 @@ impl ProcessGroup {
         self.inner.pool.take_len(len)
     }
 
-    fn staged<D: Device>(
+    fn staged<D: Device, E: Element>(
         &self,
         dev: &Arc<D>,
         dir: Dir,
         direct: bool,
-        work: Work<Vec<u8>>,
+        work: Work<Vec<E>>,
         device: Option<D::Buffer>,
         stats: CopyStats,
-    ) -> StagedWork<D> {
+    ) -> StagedWork<D, E> {
         StagedWork {
             dev: dev.clone(),
             pool: self.inner.pool.clone(),

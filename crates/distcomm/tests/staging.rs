@@ -194,3 +194,34 @@ fn staged_all_reduce_copies_in_and_out() {
         assert_eq!(dev.len(&odd), 6);
     });
 }
+
+#[test]
+fn async_staged_all_reduce_copies_back_only_inside_completion() {
+    run(
+        "async_staged_all_reduce_copies_back_only_inside_completion",
+        &[1, 2, 3],
+        |g| {
+            let dev = Arc::new(Emulated);
+            let n = g.size();
+            let vals: Vec<i64> = (0..5000).map(|i| (i * 3 + g.rank()) as i64).collect();
+            let buf = EmulatedBuffer::from_bytes(bytemuck::cast_slice(&vals).to_vec());
+            let w = g
+                .all_reduce_device_async::<_, i64>(&dev, buf, ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(w.copies().copies, 1, "copied in at issue");
+            // A blocking collective meanwhile; then completion publishes, once.
+            let mut x = [1i32];
+            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            while !w.is_completed() {
+                std::thread::yield_now();
+            }
+            assert_eq!(w.copies().copies, 2, "copied out inside completion");
+            let out = w.into_buffer().unwrap();
+            assert_eq!(out.uploads(), 1);
+            let got: &[i64] = bytemuck::cast_slice(out.bytes());
+            for (i, v) in got.iter().enumerate() {
+                assert_eq!(*v, (n * i * 3 + n * (n - 1) / 2) as i64);
+            }
+        },
+    );
+}

@@ -760,30 +760,27 @@ impl Pool {
 
     /// An empty buffer, with capacity left over from earlier use when there is one.
     pub(crate) fn take<T: Reducible>(&self) -> Vec<T> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.get_mut(&std::any::TypeId::of::<T>())
-            .and_then(|v| v.pop())
-            .and_then(|b| b.downcast::<Vec<T>>().ok())
-            .map(|mut b| {
-                b.clear();
-                *b
-            })
-            .unwrap_or_default()
+        let mut v = self.pop();
+        v.clear();
+        v
     }
 
     /// A buffer of exactly `len` elements whose contents are whatever they were (zeros where it
     /// had to grow): for targets that are overwritten anyway, without paying to clear them.
     pub(crate) fn take_len<T: Reducible>(&self, len: usize) -> Vec<T> {
+        let mut v = self.pop();
+        v.resize(len, T::zeroed());
+        v
+    }
+
+    /// A kept buffer of `T` as it was given back, or a new empty one.
+    fn pop<T: Reducible>(&self) -> Vec<T> {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v = free
-            .get_mut(&std::any::TypeId::of::<T>())
+        free.get_mut(&std::any::TypeId::of::<T>())
             .and_then(|v| v.pop())
             .and_then(|b| b.downcast::<Vec<T>>().ok())
             .map(|b| *b)
-            .unwrap_or_default();
-        drop(free);
-        v.resize(len, T::zeroed());
-        v
+            .unwrap_or_default()
     }
 
     /// Returns a buffer for reuse.

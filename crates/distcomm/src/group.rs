@@ -282,26 +282,14 @@ impl GroupBuilder {
             max_bytes: env_u64("DISTCOMM_SHM_ALLREDUCE_MAX")?.map_or(usize::MAX, |b| b as usize),
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
+        let keep = Keep {
+            _store: Some(store),
+            _server: server,
+        };
         let group = ProcessGroup {
-            inner: Arc::new(Inner {
-                engine,
-                members,
-                arena,
-                rank: self.rank,
-                ctx: 0,
-                timeout,
-                coll_seq: Default::default(),
-                groups: Arc::new(AtomicU32::new(0)),
-                worker: Default::default(),
-                queued: Default::default(),
-                pool: Default::default(),
-                log: Arc::new(crate::commslog::CommsLog::from_env()),
-                keep: Arc::new(Keep {
-                    _store: Some(store),
-                    _server: server,
-                }),
-                mpi: None,
-            }),
+            inner: Arc::new(Inner::world(
+                engine, members, self.rank, timeout, keep, arena, None,
+            )),
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
@@ -407,26 +395,16 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGrou
         data_chunk: None,
     };
     let engine = Engine::start(rank, streams, links, cfg)?;
+    let members = Arc::new((0..world).collect());
+    let keep = Keep {
+        _store: None,
+        _server: None,
+    };
+    let mpi = Some(Arc::new(comm));
     Ok(ProcessGroup {
-        inner: Arc::new(Inner {
-            engine,
-            members: Arc::new((0..world).collect()),
-            rank,
-            ctx: 0,
-            timeout,
-            coll_seq: Default::default(),
-            arena: None,
-            groups: Arc::new(AtomicU32::new(0)),
-            worker: Default::default(),
-            queued: Default::default(),
-            pool: Default::default(),
-            log: Arc::new(crate::commslog::CommsLog::from_env()),
-            keep: Arc::new(Keep {
-                _store: None,
-                _server: None,
-            }),
-            mpi: Some(Arc::new(comm)),
-        }),
+        inner: Arc::new(Inner::world(
+            engine, members, rank, timeout, keep, None, mpi,
+        )),
     })
 }
 
@@ -499,6 +477,35 @@ impl std::fmt::Debug for ProcessGroup {
 }
 
 impl Inner {
+    /// A world group's state: contexts from 0, and its own collective sequence, thread, pool,
+    /// log and count of subgroups.
+    fn world(
+        engine: Arc<Engine>,
+        members: Arc<Vec<usize>>,
+        rank: usize,
+        timeout: Duration,
+        keep: Keep,
+        arena: Option<Arc<Arena>>,
+        mpi: Option<Arc<crate::mpi::Comm>>,
+    ) -> Inner {
+        Inner {
+            engine,
+            members,
+            rank,
+            ctx: 0,
+            timeout,
+            coll_seq: Default::default(),
+            arena,
+            groups: Arc::new(AtomicU32::new(0)),
+            worker: Default::default(),
+            queued: Default::default(),
+            pool: Default::default(),
+            log: Arc::new(crate::commslog::CommsLog::from_env()),
+            keep: Arc::new(keep),
+            mpi,
+        }
+    }
+
     pub(crate) fn size(&self) -> usize {
         self.members.len()
     }

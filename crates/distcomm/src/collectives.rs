@@ -145,7 +145,7 @@ pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
 pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
 
 impl Inner {
-    fn invalid(&self, op: &'static str, detail: String) -> Error {
+    pub(crate) fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument {
             op,
             rank: self.rank,

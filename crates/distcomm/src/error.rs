@@ -128,6 +128,19 @@ pub enum Error {
     /// A launched rank failed (launcher and test harness).
     #[error("rank {rank} {how}")]
     RankFailed { rank: usize, how: String },
+    /// A device (GPU API, driver) is not there on this machine: no driver library, no adapter,
+    /// no such ordinal.
+    #[error("{device} device unavailable: {detail}")]
+    DeviceUnavailable {
+        device: &'static str,
+        detail: String,
+    },
+    /// A device operation (allocation, copy, synchronisation) failed.
+    #[error("{device} device: {detail}")]
+    Device {
+        device: &'static str,
+        detail: String,
+    },
     /// An I/O error with what we were doing when it happened.
     #[error("{context}: {source}")]
     Io {

@@ -661,6 +661,29 @@ impl ProcessGroup {
         }
     }
 
+    /// Whether every link of this group (or its backend) moves bytes of `mem` itself. Device
+    /// operations ([`isend_device`](Self::isend_device) and friends) on memory it does not
+    /// address are staged through host memory.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// use distcomm::device::Memory;
+    /// let g = distcomm::init()?;
+    /// assert!(g.addresses(Memory::Host));
+    /// println!("CUDA buffers go direct: {}", g.addresses(Memory::Cuda));
+    /// # Ok(()) }
+    /// ```
+    pub fn addresses(&self, mem: crate::device::Memory) -> bool {
+        if self.inner.mpi.is_some() {
+            return crate::mpi::addresses(mem);
+        }
+        let me = self.inner.rank;
+        let engine = &self.inner.engine;
+        let mut links = self.inner.members.iter().filter(|&&m| m != me);
+        crate::transport::link_addresses("self", mem)
+            && links.all(|&m| crate::transport::link_addresses(engine.link_kind(m), mem))
+    }
+
     /// Whether `all_reduce` on this group runs through the shared-memory arena (every rank of
     /// the world group on one host, over shared memory; see `DISTCOMM_SHM_ALLREDUCE`). A failed
     /// arena call turns it off for the rest of the group's life.

@@ -31,7 +31,14 @@ pub(crate) use imp::*;
 #[cfg(not(feature = "mpi"))]
 pub(crate) use stub::*;
 
+use crate::device::Memory;
 use crate::reduce::ReduceOp;
+
+/// Whether the MPI backend moves bytes of memory `mem` itself: host memory only (a CUDA-aware
+/// MPI could take device pointers, but the buffers distcomm hands MPI are host memory).
+pub(crate) fn addresses(mem: Memory) -> bool {
+    mem == Memory::Host
+}
 
 /// One collective call, as the MPI backend receives it (arguments already checked).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]

@@ -381,6 +381,12 @@ impl<B: 'static> Work<B> {
 
     /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Status> {
+        self.wait_shared(timeout)
+    }
+
+    /// [`wait_timeout`](Self::wait_timeout) through a shared reference (for wrappers that let
+    /// several threads wait on one operation).
+    pub(crate) fn wait_shared(&self, timeout: Duration) -> Result<Status> {
         let deadline = Instant::now().checked_add(timeout);
         let deadline =
             deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
@@ -407,6 +413,11 @@ impl<B: 'static> Work<B> {
     /// and drops the buffer without publishing anything from it.
     pub fn into_buffer(mut self) -> Result<B> {
         self.wait()?;
+        self.take_buffer()
+    }
+
+    /// The buffer of a finished, successful operation (once).
+    pub(crate) fn take_buffer(&self) -> Result<B> {
         let buf = self.cell.lock().buf.take();
         let any = match buf {
             Some(b) => b.into_any(),

@@ -25,6 +25,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::time::{Duration, Instant};
 
+use crate::device::Memory;
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
@@ -62,6 +63,14 @@ impl TransportKind {
             TransportKind::Shm => "shm",
         }
     }
+}
+
+/// Whether a link of kind `kind` (`"tcp"`, `"shm"`, `"self"`) can move bytes of memory `mem`
+/// itself. Every native link copies through this process's address space — socket I/O,
+/// shared-memory rings, cross-memory attach — so each addresses host memory only; everything
+/// else is staged.
+pub(crate) fn link_addresses(kind: &str, mem: Memory) -> bool {
+    matches!(kind, "tcp" | "shm" | "self") && mem == Memory::Host
 }
 
 /// Settings of the shared-memory links.

@@ -3,11 +3,45 @@
 //! directly (host memory: yes); operations on memory they cannot address are staged through
 //! host memory by [`crate::staging`].
 //!
-//! Implemented here: [`Host`] (no staging) and [`Emulated`], host memory that transports are
-//! told not to address, so that staging can be exercised and measured on any machine — the
-//! stand-in for a GPU in the tests. GPU devices (wgpu, CUDA) are to come behind the same trait.
+//! **Capabilities, not special cases.** A device says which [`Memory`] its buffers live in;
+//! each transport and backend declares which memory it can address
+//! ([`ProcessGroup::addresses`](crate::ProcessGroup::addresses), like NCCL's `ptrSupport` or
+//! gloo's `hasGPUDirect`). Staging asks that question and nothing else: buffers the group
+//! addresses go straight through, all others are staged.
+//!
+//! Devices:
+//! * [`Host`]: host memory, addressed by every transport — nothing is staged;
+//! * [`Emulated`]: host memory that transports are told not to address, so that staging can
+//!   be exercised and measured on any machine, with per-buffer upload counters for tests;
+//! * `Wgpu` (feature `wgpu`): GPU buffers through wgpu — Vulkan (Mesa's lavapipe on a machine
+//!   without a GPU), Metal on Apple GPUs, DX12 on Windows;
+//! * `Cuda` (feature `cuda`): CUDA device memory through cudarc, loaded at run time: a machine
+//!   without the CUDA driver gets a typed [`Error::DeviceUnavailable`], never a panic.
 
 use crate::error::{Error, Result};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "wgpu")]
+mod wgpu;
+#[cfg(feature = "cuda")]
+pub use cuda::{Cuda, CudaBuffer};
+#[cfg(feature = "wgpu")]
+pub use wgpu::{Wgpu, WgpuBuffer};
+
+/// Where a buffer's bytes live: what a transport may or may not be able to address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Memory {
+    /// Ordinary host memory (pageable, in this process's address space).
+    Host,
+    /// Host memory that transports are told they cannot address ([`Emulated`]).
+    Emulated,
+    /// A wgpu buffer (GPU memory behind Vulkan, Metal or DX12).
+    Wgpu,
+    /// CUDA device memory.
+    Cuda,
+}
 
 /// Memory a buffer can live in.
 pub trait Device: Send + Sync + 'static {
@@ -16,6 +50,8 @@ pub trait Device: Send + Sync + 'static {
 
     /// For messages and statistics.
     fn name(&self) -> &'static str;
+    /// The memory this device's buffers live in.
+    fn memory(&self) -> Memory;
     /// A buffer of `bytes` bytes (contents unspecified).
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
     /// The buffer's size in bytes.
@@ -28,13 +64,22 @@ pub trait Device: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
-    /// The buffer as host memory the transports can use directly, when it is that (then
-    /// nothing is staged); the buffer back otherwise.
+    /// The buffer as host memory, moved, when it is that (a transport that addresses this
+    /// device's [`Memory`] then works on it directly); the buffer back otherwise.
     fn host_memory(&self, buf: Self::Buffer) -> std::result::Result<Vec<u8>, Self::Buffer> {
         Err(buf)
     }
     /// Host memory back as a buffer of this device (the inverse of [`host_memory`](Self::host_memory)).
     fn buffer_of_host(&self, _host: Vec<u8>) -> Option<Self::Buffer> {
+        None
+    }
+    /// The buffer's bytes in place, when they are host memory (for collectives that work on the
+    /// buffer directly).
+    fn host_bytes<'a>(&self, _buf: &'a Self::Buffer) -> Option<&'a [u8]> {
+        None
+    }
+    /// [`host_bytes`](Self::host_bytes), mutably.
+    fn host_bytes_mut<'a>(&self, _buf: &'a mut Self::Buffer) -> Option<&'a mut [u8]> {
         None
     }
 }
@@ -48,6 +93,9 @@ impl Device for Host {
 
     fn name(&self) -> &'static str {
         "host"
+    }
+    fn memory(&self) -> Memory {
+        Memory::Host
     }
     fn alloc(&self, bytes: usize) -> Result<Vec<u8>> {
         Ok(vec![0; bytes])
@@ -66,6 +114,12 @@ impl Device for Host {
     }
     fn buffer_of_host(&self, host: Vec<u8>) -> Option<Vec<u8>> {
         Some(host)
+    }
+    fn host_bytes<'a>(&self, buf: &'a Vec<u8>) -> Option<&'a [u8]> {
+        Some(buf)
+    }
+    fn host_bytes_mut<'a>(&self, buf: &'a mut Vec<u8>) -> Option<&'a mut [u8]> {
+        Some(buf)
     }
 }
 
@@ -103,6 +157,9 @@ impl Device for Emulated {
     fn name(&self) -> &'static str {
         "emulated"
     }
+    fn memory(&self) -> Memory {
+        Memory::Emulated
+    }
     fn alloc(&self, bytes: usize) -> Result<EmulatedBuffer> {
         Ok(EmulatedBuffer::from_bytes(vec![0; bytes]))
     }
@@ -121,14 +178,37 @@ impl Device for Emulated {
 
 /// Copies all of `src` into the start of `dst`.
 fn copy(src: &[u8], dst: &mut [u8]) -> Result<()> {
-    let n = src.len();
-    if n > dst.len() {
+    fits(src.len(), dst.len())?;
+    dst[..src.len()].copy_from_slice(src);
+    Ok(())
+}
+
+/// An upload of `n` bytes into a buffer of `cap`, or why not.
+fn fits(n: usize, cap: usize) -> Result<()> {
+    if n > cap {
         return Err(Error::InvalidArgument {
             op: "upload",
             rank: 0,
-            detail: format!("{} bytes do not fit a buffer of {}", src.len(), dst.len()),
+            detail: format!("{n} bytes do not fit a buffer of {cap}"),
         });
     }
-    dst[..n].copy_from_slice(&src[..n]);
     Ok(())
+}
+
+/// A device-layer failure as the error staging reports.
+#[allow(dead_code)] // used by the optional GPU devices
+fn unavailable(device: &'static str, detail: impl std::fmt::Display) -> Error {
+    Error::DeviceUnavailable {
+        device,
+        detail: detail.to_string(),
+    }
+}
+
+/// A failed device operation (allocation, copy, synchronisation).
+#[allow(dead_code)] // used by the optional GPU devices
+fn failed(device: &'static str, what: &str, detail: impl std::fmt::Display) -> Error {
+    Error::Device {
+        device,
+        detail: format!("{what}: {detail}"),
+    }
 }

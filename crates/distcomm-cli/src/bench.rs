@@ -35,8 +35,8 @@ pub struct BenchArgs {
     /// Messages in flight in the streaming test.
     #[arg(long, default_value_t = 16)]
     window: usize,
-    /// The device of `bench staging`: emulated (host memory staged as a GPU's would be) or
-    /// host (no staging).
+    /// The device of `bench staging`: emulated (host memory staged as a GPU's would be), host
+    /// (no staging), wgpu or cuda (builds with those features).
     #[arg(long, default_value = "emulated")]
     device: String,
 }
@@ -105,9 +105,10 @@ pub struct Staging {
     pub staged_bytes_per_op: u64,
     /// The same receive into host memory.
     pub host_time_us: f64,
-    /// One upload of the size, alone.
-    pub upload_us: f64,
-    /// Staged time ÷ (host time + one upload).
+    /// The copies the op must make (a download for a send, an upload for a receive, both for
+    /// an all_reduce), timed alone.
+    pub copy_us: f64,
+    /// Staged time ÷ (host time + those copies).
     pub ratio: f64,
 }
 
@@ -161,10 +162,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             group.size(),
             group.transport()
         ));
-        say(format!(
-            "# {:>10} {:>10} {:>6} {:>14} {:>11} {:>12} {:>12} {:>6}",
-            "size", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "check"
-        ));
+        if args.suite == "staging" {
+            say("# staged op on device buffers vs the same op on host buffers; ratio = staged ÷ (host + the copies it must make, timed alone)".into());
+        } else {
+            say(format!(
+                "# {:>10} {:>10} {:>6} {:>14} {:>11} {:>12} {:>12} {:>6}",
+                "size", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "check"
+            ));
+        }
     }
     let mut records = Vec::new();
     for suite in &suites {
@@ -184,9 +189,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     v.extend(stream(&group, size, args.window.max(1), !args.no_check)?);
                     v
                 }
-                "staging" => crate::stagebench::run_size(&group, &args.device, size)?
-                    .into_iter()
-                    .collect(),
+                "staging" => crate::stagebench::run_size(&group, &args.device, size)?,
                 op => crate::collbench::run_op(&group, op, size, !args.no_check)?
                     .into_iter()
                     .collect(),
@@ -195,8 +198,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             for rec in recs {
                 if let Some(st) = &rec.staging {
                     say(format!(
-                        "  {:>10} {:>10} staged {:>10.1} us  host {:>10.1} us  upload {:>9.1} us  copies {}  ratio {:.3}",
-                        rec.bytes, st.device, rec.time_us, st.host_time_us, st.upload_us, st.copies_per_op, st.ratio
+                        "  {:>10} {:>8} {:>17} staged {:>10.1} us  host {:>10.1} us  copies {} ({:>9.1} us)  ratio {:.3}",
+                        rec.bytes, st.device, rec.op, rec.time_us, st.host_time_us, st.copies_per_op, st.copy_us, st.ratio
                     ));
                     records.push(rec);
                     continue;

@@ -137,22 +137,48 @@ fn bench_staging_reports_copies_per_op() {
         let recs: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let recs = recs.as_array().unwrap();
-        assert_eq!(recs.len(), 2);
+        let ops: Vec<&str> = recs.iter().map(|r| r["op"].as_str().unwrap()).collect();
+        let each = ["staged_isend", "staged_irecv", "staged_all_reduce"];
+        assert_eq!(ops, [each, each].concat());
         for r in recs {
-            assert_eq!(r["op"], "staged_irecv");
+            // In and out for an all_reduce, one copy per point-to-point direction.
+            let want = copies * if r["op"] == "staged_all_reduce" { 2 } else { 1 };
             assert_eq!(r["device"], device);
-            assert_eq!(r["copies_per_op"], copies);
+            assert_eq!(r["copies_per_op"], want);
             assert_eq!(
                 r["staged_bytes_per_op"],
-                copies * r["bytes"].as_u64().unwrap()
+                want * r["bytes"].as_u64().unwrap()
             );
             assert!(r["host_time_us"].as_f64().unwrap() > 0.0);
+            assert!(r["ratio"].as_f64().unwrap() > 0.0);
         }
     }
+    // A device this build lacks is a clear error.
     let out = distcomm()
-        .args(["bench", "staging", "--device", "cuda", "--sizes", "8"])
+        .args(["bench", "staging", "--device", "tpu", "--sizes", "8"])
         .output()
         .unwrap();
     assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("this build has emulated, host"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench staging` on real GPU buffers (lavapipe in CI): one copy per point-to-point direction.
+#[cfg(feature = "wgpu")]
+#[test]
+fn bench_staging_on_wgpu() {
+    let out = distcomm()
+        .args(["bench", "staging", "--device", "wgpu", "--sizes", "4100"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("staged_irecv") && stdout.contains("wgpu"),
+        "{stdout}"
+    );
 }

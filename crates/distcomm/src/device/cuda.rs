@@ -78,6 +78,28 @@ impl Cuda {
         })
     }
 
+    /// How many CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applies).
+    pub fn device_count() -> Result<usize> {
+        if !Self::driver_present() {
+            return Err(unavailable(
+                NAME,
+                "the CUDA driver library (libcuda) is not installed",
+            ));
+        }
+        let n = std::panic::catch_unwind(CudaContext::device_count)
+            .map_err(|_| unavailable(NAME, "the CUDA driver lacks a required entry point"))?
+            .map_err(|e| unavailable(NAME, e))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    /// The device for local rank `local_rank`: ranks share the devices round-robin.
+    pub fn for_local_rank(local_rank: usize) -> Result<Cuda> {
+        match Self::device_count()? {
+            0 => Err(unavailable(NAME, "no CUDA device")),
+            n => Self::new(local_rank % n),
+        }
+    }
+
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ordinal

@@ -27,22 +27,51 @@ use crate::group::{Inner, ProcessGroup};
 use crate::work::Work;
 
 /// The error-feedback state of one buffer (keep one per all-reduced buffer, on every rank).
+///
+/// Stored lazily: what is kept is the last *compensated* vector and the scale it was
+/// compressed at; the error (`compensated − scale·sign(compensated)`) is applied on the fly by
+/// the next call's single pass, which saves a whole read-modify-write pass over the buffer per
+/// call. [`worker_error`](Self::worker_error) and [`server_error`](Self::server_error) give the
+/// errors themselves.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct OneBitState {
-    /// What compressing this rank's contribution lost (padded length).
-    pub worker_error: Vec<f32>,
+    /// This rank's last compensated contribution (padded length).
+    worker: Vec<f32>,
+    worker_scale: f32,
+    /// This rank's last compensated server chunk (one chunk).
+    server: Vec<f32>,
+    server_scale: f32,
+}
+
+impl OneBitState {
+    /// What compressing this rank's contribution lost (padded length; empty before the first
+    /// call).
+    pub fn worker_error(&self) -> Vec<f32> {
+        errors(&self.worker, self.worker_scale)
+    }
+
     /// What compressing this rank's server chunk lost (one chunk).
-    pub server_error: Vec<f32>,
+    pub fn server_error(&self) -> Vec<f32> {
+        errors(&self.server, self.server_scale)
+    }
+
+    /// Zeroes both error buffers (what an empty call does, and what a failed call leaves).
+    fn clear(&mut self) {
+        self.worker.iter_mut().for_each(|v| *v = 0.0);
+        self.server.iter_mut().for_each(|v| *v = 0.0);
+        self.worker_scale = 0.0;
+        self.server_scale = 0.0;
+    }
+}
+
+/// `c − s·sign(c)`, element-wise.
+fn errors(c: &[f32], s: f32) -> Vec<f32> {
+    c.iter().map(|&v| v - s * unit(v >= 0.0)).collect()
 }
 
 /// The buffer length padded so that each of `world` chunks is a whole number of bytes of signs.
 pub fn padded_len(len: usize, world: usize) -> usize {
     len.div_ceil(8 * world) * 8 * world
-}
-
-/// `‖x‖₂ / √len` (0 for an empty slice).
-fn scale(x: &[f32]) -> f32 {
-    norm_scale(sum_sq(x), x.len())
 }
 
 fn norm_scale(sum_sq: f64, len: usize) -> f32 {
@@ -52,22 +81,126 @@ fn norm_scale(sum_sq: f64, len: usize) -> f32 {
     (sum_sq.sqrt() / (len as f64).sqrt()) as f32
 }
 
-/// The sum of squares: f32 lanes over short blocks, blocks summed in f64, so that it vectorises
-/// and stays accurate over millions of elements.
-fn sum_sq(x: &[f32]) -> f64 {
-    let mut total = 0f64;
-    for block in x.chunks(1024) {
-        let mut lanes = [0f32; 8];
-        let mut eights = block.chunks_exact(8);
-        for e in &mut eights {
-            for (l, v) in lanes.iter_mut().zip(e) {
-                *l += v * v;
+/// Sums of squares in f32 lanes over short runs, the runs summed in f64: vectorises and stays
+/// accurate over millions of elements.
+struct SumSq {
+    lanes: [f32; 8],
+    blocks: u32,
+    total: f64,
+}
+
+impl SumSq {
+    const RUN: u32 = 128; // blocks of 8 per f32 run
+
+    fn new() -> Self {
+        SumSq {
+            lanes: [0.0; 8],
+            blocks: 0,
+            total: 0.0,
+        }
+    }
+
+    #[inline(always)]
+    fn add(&mut self, v: &[f32; 8]) {
+        for (l, x) in self.lanes.iter_mut().zip(v) {
+            *l += x * x;
+        }
+        self.blocks += 1;
+        if self.blocks == Self::RUN {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        self.total += f64::from(self.lanes.iter().sum::<f32>());
+        self.lanes = [0.0; 8];
+        self.blocks = 0;
+    }
+
+    fn finish(mut self) -> f64 {
+        self.flush();
+        self.total
+    }
+}
+
+/// The sign byte of eight values (`v ≥ 0 → 1`, most-significant bit first).
+#[inline(always)]
+fn sign_byte(v: &[f32; 8]) -> u8 {
+    // Lane-wise, so that the compiler vectorises it.
+    let mut bits = [0u32; 8];
+    for (j, (b, x)) in bits.iter_mut().zip(v).enumerate() {
+        *b = u32::from(*x >= 0.0) << (7 - j);
+    }
+    bits.iter().fold(0, |acc, b| acc | b) as u8
+}
+
+/// Eight elements of one pass: `c` (compensated last time, compressed at `s`) becomes
+/// `add + (c − s·sign(c))`; returns the new sign byte and adds to the sum of squares.
+#[inline(always)]
+fn settle8(c: &mut [f32], add: &[f32; 8], s: f32, sq: &mut SumSq) -> u8 {
+    let mut v = [0f32; 8];
+    for ((o, e), a) in v.iter_mut().zip(c.iter()).zip(add) {
+        let err = e - s * if *e >= 0.0 { 1.0 } else { -1.0 };
+        *o = a + err;
+    }
+    c.copy_from_slice(&v);
+    sq.add(&v);
+    sign_byte(&v)
+}
+
+/// The worker's pass, one read and one write of its state per element: the new compensated
+/// contribution `buf + error` (zero-padded `buf`), its packed signs, and its sum of squares.
+fn worker_pass(c: &mut [f32], buf: &[f32], s: f32, signs: &mut [u8]) -> f64 {
+    let mut sq = SumSq::new();
+    let whole = buf.len() / 8;
+    let (head, rest) = c.split_at_mut(whole * 8);
+    let (head_signs, rest_signs) = signs.split_at_mut(whole);
+    for ((c8, b8), byte) in head
+        .chunks_exact_mut(8)
+        .zip(buf.chunks_exact(8))
+        .zip(head_signs.iter_mut())
+    {
+        let add: &[f32; 8] = b8.try_into().unwrap_or(&[0.0; 8]);
+        *byte = settle8(c8, add, s, &mut sq);
+    }
+    let mut tail = buf[whole * 8..].iter();
+    for (c8, byte) in rest.chunks_exact_mut(8).zip(rest_signs.iter_mut()) {
+        let add: [f32; 8] = std::array::from_fn(|_| tail.next().copied().unwrap_or(0.0));
+        *byte = settle8(c8, &add, s, &mut sq);
+    }
+    sq.finish()
+}
+
+/// The server's pass over its chunk, one read and one write per element: the chunk's error
+/// plus every worker's decompressed contribution weighted by `weights` (`got` holds each
+/// worker's `per` sign bytes, in rank order), its packed signs and its sum of squares.
+fn server_pass(
+    c: &mut [f32],
+    s: f32,
+    got: &[u8],
+    per: usize,
+    weights: &[f32],
+    signs: &mut [u8],
+) -> f64 {
+    let units = units();
+    let mut sq = SumSq::new();
+    for (j, (c8, byte)) in c.chunks_exact_mut(8).zip(signs.iter_mut()).enumerate() {
+        let mut v = [0f32; 8];
+        for (o, e) in v.iter_mut().zip(c8.iter()) {
+            *o = e - s * if *e >= 0.0 { 1.0 } else { -1.0 };
+        }
+        // In rank order, as a serial sum would.
+        for (r, w) in weights.iter().enumerate() {
+            let u = &units[usize::from(got[r * per + j])];
+            for (o, u) in v.iter_mut().zip(u) {
+                *o += w * u;
             }
         }
-        let tail: f32 = eights.remainder().iter().map(|v| v * v).sum();
-        total += f64::from(lanes.iter().sum::<f32>() + tail);
+        c8.copy_from_slice(&v);
+        sq.add(&v);
+        *byte = sign_byte(&v);
     }
-    total
+    sq.finish()
 }
 
 /// ±1 for a sign bit.
@@ -101,55 +234,6 @@ fn pack(x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 fn bit(packed: &[u8], i: usize) -> bool {
     packed[i / 8] & (0x80 >> (i % 8)) != 0
-}
-
-/// `x = buf + error` (zero-padded `buf`, `x` as long as `error`), returning its scale: one pass.
-fn compensate(x: &mut Vec<f32>, buf: &[f32], error: &[f32]) -> f32 {
-    x.clear();
-    x.resize(error.len(), 0.0);
-    let mut total = 0f64;
-    let (head, tail) = x.split_at_mut(buf.len());
-    for ((xs, bs), es) in head
-        .chunks_mut(1024)
-        .zip(buf.chunks(1024))
-        .zip(error.chunks(1024))
-    {
-        for ((x, b), e) in xs.iter_mut().zip(bs).zip(es) {
-            *x = b + e;
-        }
-        total += sum_sq(xs);
-    }
-    tail.copy_from_slice(&error[buf.len()..]);
-    total += sum_sq(tail);
-    norm_scale(total, error.len())
-}
-
-/// Compresses `x` (a multiple of 8 long) at scale `s`: writes its packed signs and turns `x`
-/// into what the compression lost (`x − s·sign(x)`).
-fn compress_with(x: &mut [f32], signs: &mut [u8], s: f32) {
-    let units = units();
-    for (byte, eight) in signs.iter_mut().zip(x.chunks_exact_mut(8)) {
-        // Written as lane-wise steps so that the compiler vectorises them.
-        let mut bits = [0u32; 8];
-        for (j, (b, v)) in bits.iter_mut().zip(eight.iter()).enumerate() {
-            *b = u32::from(*v >= 0.0) << (7 - j);
-        }
-        let b = bits.iter().fold(0, |acc, b| acc | b) as u8;
-        for (v, u) in eight.iter_mut().zip(&units[usize::from(b)]) {
-            *v -= s * u;
-        }
-        *byte = b;
-    }
-}
-
-/// `out[i] += w · unit(sign i)` for every element (`out` a multiple of 8 long).
-fn accumulate(out: &mut [f32], packed: &[u8], w: f32) {
-    let units = units();
-    for (eight, &b) in out.chunks_exact_mut(8).zip(packed) {
-        for (v, u) in eight.iter_mut().zip(&units[usize::from(b)]) {
-            *v += w * u;
-        }
-    }
 }
 
 /// `out[i] = s · unit(sign i)` for every element of `out` (any length ≤ 8 × `packed`).
@@ -212,14 +296,6 @@ impl ProcessGroup {
     }
 }
 
-impl OneBitState {
-    /// Zeroes both error buffers (what an empty call does).
-    fn clear(&mut self) {
-        self.worker_error.iter_mut().for_each(|v| *v = 0.0);
-        self.server_error.iter_mut().for_each(|v| *v = 0.0);
-    }
-}
-
 /// Runs one call and books it in the comms log as `onebit_all_reduce` (its four collectives
 /// are not logged alone), with the bytes it actually sent.
 fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
@@ -243,26 +319,40 @@ fn onebit_rounds(
     buf: &mut [f32],
     state: &mut OneBitState,
 ) -> Result<()> {
+    let r = onebit_passes(g, tags, buf, state);
+    if r.is_err() {
+        // The passes update the state in place: after a failure it is reset, as documented.
+        state.clear();
+    }
+    r
+}
+
+fn onebit_passes(
+    g: &Inner,
+    tags: [u32; 4],
+    buf: &mut [f32],
+    state: &mut OneBitState,
+) -> Result<()> {
     let n = g.members.len();
     let padded = padded_len(buf.len(), n);
     let chunk = padded / n;
-    if state.worker_error.len() != padded || state.server_error.len() != chunk {
-        state.worker_error = vec![0.0; padded];
-        state.server_error = vec![0.0; chunk];
+    if state.worker.len() != padded || state.server.len() != chunk {
+        *state = OneBitState {
+            worker: vec![0.0; padded],
+            server: vec![0.0; chunk],
+            ..OneBitState::default()
+        };
     }
-    // 1. Compensate and compress this rank's contribution. All scratch comes from the group's
-    // pool (no page faults on every call), and the state is replaced only once the call
-    // succeeded.
-    let pool = &g.pool;
+    // Sign scratch from the group's pool (no page faults on every call).
     let zeroed = |len: usize| {
-        let mut v: Vec<u8> = pool.take();
+        let mut v: Vec<u8> = g.pool.take();
         v.resize(len, 0);
         v
     };
-    let mut x: Vec<f32> = pool.take();
-    let my_scale = compensate(&mut x, buf, &state.worker_error);
+    // 1. Compensate and compress this rank's contribution: one pass.
     let mut signs = zeroed(padded / 8);
-    compress_with(&mut x, &mut signs, my_scale);
+    let sq = worker_pass(&mut state.worker, buf, state.worker_scale, &mut signs);
+    state.worker_scale = norm_scale(sq, padded);
     // 2. Phase 1: chunk r of every rank's signs to rank r; every rank's scale to all.
     let per = chunk / 8;
     let mut got_signs = zeroed(padded / 8);
@@ -276,36 +366,33 @@ fn onebit_rounds(
             false,
             true,
         )
-        .and_then(|()| g.all_gather_on(tags[1], &[my_scale], &mut scales, true));
-    // 3. Serve our chunk: average, compensate, compress again.
-    let mut server: Vec<f32> = pool.take();
-    server.extend_from_slice(&state.server_error);
-    for (packed, s) in got_signs.chunks_exact(per).zip(&scales) {
-        accumulate(&mut server, packed, s / n as f32);
-    }
-    let server_scale = scale(&server);
-    let server_signs = &mut signs[..per];
-    compress_with(&mut server, server_signs, server_scale);
-    // 4. Phase 2: every server's chunk to everyone.
+        .and_then(|()| g.all_gather_on(tags[1], &[state.worker_scale], &mut scales, true));
+    // 3. Serve our chunk: average, compensate, compress again: one pass.
     let mut server_scales = vec![0f32; n];
-    let phase2 = phase1
-        .and_then(|()| g.all_gather_on(tags[2], server_signs, &mut got_signs, true))
-        .and_then(|()| g.all_gather_on(tags[3], &[server_scale], &mut server_scales, true));
-    pool.give(signs);
-    if let Err(e) = phase2 {
-        pool.give(got_signs);
-        pool.give(x);
-        pool.give(server);
-        return Err(e);
+    let phase2 = phase1.and_then(|()| {
+        let weights: Vec<f32> = scales.iter().map(|s| s / n as f32).collect();
+        let server_signs = &mut signs[..per];
+        let sq = server_pass(
+            &mut state.server,
+            state.server_scale,
+            &got_signs,
+            per,
+            &weights,
+            server_signs,
+        );
+        state.server_scale = norm_scale(sq, chunk);
+        // 4. Phase 2: every server's chunk to everyone.
+        g.all_gather_on(tags[2], server_signs, &mut got_signs, true)?;
+        g.all_gather_on(tags[3], &[state.server_scale], &mut server_scales, true)
+    });
+    g.pool.give(signs);
+    if phase2.is_ok() {
+        for (i, part) in buf.chunks_mut(chunk).enumerate() {
+            decompress(part, &got_signs[i * per..(i + 1) * per], server_scales[i]);
+        }
     }
-    for (i, part) in buf.chunks_mut(chunk).enumerate() {
-        decompress(part, &got_signs[i * per..(i + 1) * per], server_scales[i]);
-    }
-    pool.give(got_signs);
-    // Last in, first out: the next call takes the larger buffer first, for `x`.
-    pool.give(std::mem::replace(&mut state.server_error, server));
-    pool.give(std::mem::replace(&mut state.worker_error, x));
-    Ok(())
+    g.pool.give(got_signs);
+    phase2
 }
 
 #[cfg(test)]
@@ -325,17 +412,29 @@ mod tests {
     }
 
     #[test]
-    fn compression_keeps_what_it_lost() {
-        let mut x = vec![3.0f32, -1.0, 0.5, -0.5, 2.0, 0.0, -4.0, 1.0];
-        let orig = x.clone();
+    fn one_pass_keeps_what_compression_lost() {
+        let orig = [3.0f32, -1.0, 0.5, -0.5, 2.0, 0.0, -4.0, 1.0];
+        // From a zero state the compensated vector is the input itself.
+        let mut c = vec![0f32; 8];
         let mut signs = [0u8; 1];
-        let s = scale(&x);
-        compress_with(&mut x, &mut signs, s);
+        let sq = worker_pass(&mut c, &orig, 0.0, &mut signs);
+        let s = norm_scale(sq, 8);
         let norm: f32 = orig.iter().map(|v| v * v).sum::<f32>().sqrt();
         assert!((s - norm / 8f32.sqrt()).abs() < 1e-6);
-        for (i, (e, o)) in x.iter().zip(&orig).enumerate() {
-            let decompressed = s * unit(bit(&signs, i));
-            assert!((e + decompressed - o).abs() < 1e-6);
+        let mut packed = [0u8; 1];
+        pack(&orig, &mut packed);
+        assert_eq!(signs, packed);
+        for (i, (e, o)) in errors(&c, s).iter().zip(&orig).enumerate() {
+            assert!((e + s * unit(bit(&signs, i)) - o).abs() < 1e-6);
         }
+        // The next pass adds that error to the next input; padding past a short input is 0.
+        let sq2 = worker_pass(&mut c, &[1.0; 3], s, &mut signs);
+        let err = errors(&[3.0f32, -1.0, 0.5, -0.5, 2.0, 0.0, -4.0, 1.0], s);
+        let want: Vec<f32> = (0..8)
+            .map(|i| if i < 3 { 1.0 + err[i] } else { err[i] })
+            .collect();
+        assert_eq!(c, want);
+        let want_sq: f64 = want.iter().map(|v| f64::from(v * v)).sum();
+        assert!((sq2 - want_sq).abs() < 1e-5);
     }
 }

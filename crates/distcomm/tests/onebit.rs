@@ -7,6 +7,13 @@ mod common;
 use common::run;
 use distcomm::{padded_len, OneBitState};
 
+/// One rank's error feedback in the simulation.
+#[derive(Clone, Default)]
+struct Sim {
+    worker_error: Vec<f32>,
+    server_error: Vec<f32>,
+}
+
 /// Rank r's input at call k.
 fn input(r: usize, k: usize, len: usize) -> Vec<f32> {
     (0..len)
@@ -24,7 +31,7 @@ fn scale_of(x: &[f32]) -> f32 {
 }
 
 /// Every rank's output of one call, updating every rank's state, all in one process.
-fn simulate(inputs: &[Vec<f32>], states: &mut [OneBitState]) -> Vec<Vec<f32>> {
+fn simulate(inputs: &[Vec<f32>], states: &mut [Sim]) -> Vec<Vec<f32>> {
     let n = inputs.len();
     let len = inputs[0].len();
     let padded = padded_len(len, n);
@@ -87,7 +94,7 @@ fn onebit_all_reduce_matches_the_serial_algorithm() {
             let (n, r) = (g.size(), g.rank());
             for len in [1usize, 7, 13, 1000, 12_345] {
                 let mut mine = OneBitState::default();
-                let mut sim: Vec<OneBitState> = vec![OneBitState::default(); n];
+                let mut sim: Vec<Sim> = vec![Sim::default(); n];
                 for k in 0..3 {
                     let inputs: Vec<Vec<f32>> = (0..n).map(|q| input(q, k, len)).collect();
                     let want = simulate(&inputs, &mut sim);
@@ -99,18 +106,19 @@ fn onebit_all_reduce_matches_the_serial_algorithm() {
                             "world {n} len {len} call {k} elem {i}: {a} vs {b}"
                         );
                     }
-                    assert_eq!(mine.worker_error.len(), padded_len(len, n));
-                    for (a, b) in mine.worker_error.iter().zip(&sim[r].worker_error) {
+                    assert_eq!(mine.worker_error().len(), padded_len(len, n));
+                    for (a, b) in mine.worker_error().iter().zip(&sim[r].worker_error) {
                         assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
                     }
-                    for (a, b) in mine.server_error.iter().zip(&sim[r].server_error) {
+                    assert_eq!(mine.server_error().len(), sim[r].server_error.len());
+                    for (a, b) in mine.server_error().iter().zip(&sim[r].server_error) {
                         assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()));
                     }
                 }
                 // An empty buffer zeroes both error buffers.
                 g.onebit_all_reduce(&mut [], &mut mine).unwrap();
-                assert!(mine.worker_error.iter().all(|&v| v == 0.0));
-                assert!(mine.server_error.iter().all(|&v| v == 0.0));
+                assert!(mine.worker_error().iter().all(|&v| v == 0.0));
+                assert!(mine.server_error().iter().all(|&v| v == 0.0));
             }
         },
     );
@@ -139,10 +147,7 @@ fn async_calls_in_flight_together_match_too() {
             .iter()
             .map(|_| Arc::new(Mutex::new(OneBitState::default())))
             .collect();
-        let mut sims: Vec<Vec<OneBitState>> = lens
-            .iter()
-            .map(|_| vec![OneBitState::default(); n])
-            .collect();
+        let mut sims: Vec<Vec<Sim>> = lens.iter().map(|_| vec![Sim::default(); n]).collect();
         for k in 0..3 {
             // Both in flight, plus a blocking all_reduce between them.
             let works: Vec<_> = lens

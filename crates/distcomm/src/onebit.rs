@@ -172,16 +172,9 @@ fn worker_pass(c: &mut [f32], buf: &[f32], s: f32, signs: &mut [u8]) -> f64 {
 }
 
 /// The server's pass over its chunk, one read and one write per element: the chunk's error
-/// plus every worker's decompressed contribution weighted by `weights` (`got` holds each
-/// worker's `per` sign bytes, in rank order), its packed signs and its sum of squares.
-fn server_pass(
-    c: &mut [f32],
-    s: f32,
-    got: &[u8],
-    per: usize,
-    weights: &[f32],
-    signs: &mut [u8],
-) -> f64 {
+/// plus every worker's decompressed contribution weighted by `weights` (`got[r]`: worker r's
+/// sign bytes for the chunk), its packed signs and its sum of squares.
+fn server_pass(c: &mut [f32], s: f32, got: &[&[u8]], weights: &[f32], signs: &mut [u8]) -> f64 {
     let units = units();
     let mut sq = SumSq::new();
     for (j, (c8, byte)) in c.chunks_exact_mut(8).zip(signs.iter_mut()).enumerate() {
@@ -190,8 +183,8 @@ fn server_pass(
             *o = e - s * if *e >= 0.0 { 1.0 } else { -1.0 };
         }
         // In rank order, as a serial sum would.
-        for (r, w) in weights.iter().enumerate() {
-            let u = &units[usize::from(got[r * per + j])];
+        for (packed, w) in got.iter().zip(weights) {
+            let u = &units[usize::from(packed.get(j).copied().unwrap_or(0))];
             for (o, u) in v.iter_mut().zip(u) {
                 *o += w * u;
             }
@@ -343,56 +336,58 @@ fn onebit_passes(
             ..OneBitState::default()
         };
     }
-    // Sign scratch from the group's pool (no page faults on every call).
-    let zeroed = |len: usize| {
-        let mut v: Vec<u8> = g.pool.take();
-        v.resize(len, 0);
-        v
-    };
     // 1. Compensate and compress this rank's contribution: one pass.
-    let mut signs = zeroed(padded / 8);
+    let per = chunk / 8;
+    let mut signs: Vec<u8> = g.pool.take_len(padded / 8);
     let sq = worker_pass(&mut state.worker, buf, state.worker_scale, &mut signs);
     state.worker_scale = norm_scale(sq, padded);
-    // 2. Phase 1: chunk r of every rank's signs to rank r; every rank's scale to all.
-    let per = chunk / 8;
-    let mut got_signs = zeroed(padded / 8);
-    let counts = vec![per; n];
-    let mut scales = vec![0f32; n];
-    let phase1 = g
-        .all_to_all_on(
-            tags[0],
-            (&signs, &counts),
-            (&mut got_signs, &counts),
-            false,
-            true,
-        )
-        .and_then(|()| g.all_gather_on(tags[1], &[state.worker_scale], &mut scales, true));
+    // 2. Phase 1: chunk r of every rank's signs to rank r, each block carrying the sender's
+    // scale in front (a separate round for the scales would wait behind the signs on a slow
+    // link).
+    let mut got: Vec<u8> = g.pool.take_len(n * (4 + per));
+    let scale = state.worker_scale.to_le_bytes();
+    let mut fill = |d: usize, block: &mut [u8]| {
+        block[..4].copy_from_slice(&scale);
+        block[4..].copy_from_slice(&signs[d * per..(d + 1) * per]);
+    };
+    let phase1 = g.all_to_all_streamed(tags[0], 4 + per, &mut got, true, &mut fill);
+    g.pool.give(signs);
     // 3. Serve our chunk: average, compensate, compress again: one pass.
-    let mut server_scales = vec![0f32; n];
+    // 4. Phase 2: every server's signs and scale to everyone, decompressed as they come (our
+    // own chunk while the others are on their way).
     let phase2 = phase1.and_then(|()| {
-        let weights: Vec<f32> = scales.iter().map(|s| s / n as f32).collect();
-        let server_signs = &mut signs[..per];
+        let blocks: Vec<&[u8]> = got.chunks_exact(4 + per).map(|b| &b[4..]).collect();
+        let weights: Vec<f32> = got
+            .chunks_exact(4 + per)
+            .map(|b| f32::from_le_bytes(head4(b)) / n as f32)
+            .collect();
+        let mut block: Vec<u8> = g.pool.take_len(4 + per);
         let sq = server_pass(
             &mut state.server,
             state.server_scale,
-            &got_signs,
-            per,
+            &blocks,
             &weights,
-            server_signs,
+            &mut block[4..],
         );
         state.server_scale = norm_scale(sq, chunk);
-        // 4. Phase 2: every server's chunk to everyone.
-        g.all_gather_on(tags[2], server_signs, &mut got_signs, true)?;
-        g.all_gather_on(tags[3], &[state.server_scale], &mut server_scales, true)
+        block[..4].copy_from_slice(&state.server_scale.to_le_bytes());
+        let len = buf.len();
+        let mut consume = |q: usize, b: &[u8]| {
+            let scale = f32::from_le_bytes(head4(b));
+            let part = &mut buf[(q * chunk).min(len)..((q + 1) * chunk).min(len)];
+            decompress(part, &b[4..], scale);
+        };
+        let r = g.all_gather_streamed(tags[2], &block, true, &mut consume);
+        g.pool.give(block);
+        r
     });
-    g.pool.give(signs);
-    if phase2.is_ok() {
-        for (i, part) in buf.chunks_mut(chunk).enumerate() {
-            decompress(part, &got_signs[i * per..(i + 1) * per], server_scales[i]);
-        }
-    }
-    g.pool.give(got_signs);
+    g.pool.give(got);
     phase2
+}
+
+/// The first four bytes of a block (its scale).
+fn head4(b: &[u8]) -> [u8; 4] {
+    std::array::from_fn(|i| b.get(i).copied().unwrap_or(0))
 }
 
 #[cfg(test)]

@@ -126,12 +126,30 @@ impl SumSq {
 /// The sign byte of eight values (`v ≥ 0 → 1`, most-significant bit first).
 #[inline(always)]
 fn sign_byte(v: &[f32; 8]) -> u8 {
-    // Lane-wise, so that the compiler vectorises it.
-    let mut bits = [0u32; 8];
-    for (j, (b, x)) in bits.iter_mut().zip(v).enumerate() {
-        *b = u32::from(*x >= 0.0) << (7 - j);
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_cmpge_ps, _mm_loadu_ps, _mm_movemask_ps, _mm_setzero_ps};
+        // SAFETY: SSE is part of the x86_64 baseline; the two unaligned 16-byte loads read
+        // elements 0..4 and 4..8 of the eight-element array behind `v`.
+        let (lo, hi) = unsafe {
+            let zero = _mm_setzero_ps();
+            let p = v.as_ptr();
+            (
+                _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p), zero)),
+                _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p.add(4)), zero)),
+            )
+        };
+        // Lane j's bit is bit j here: reversed, lane 0 is the most significant.
+        ((lo | hi << 4) as u8).reverse_bits()
     }
-    bits.iter().fold(0, |acc, b| acc | b) as u8
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let mut bits = [0u32; 8];
+        for (j, (b, x)) in bits.iter_mut().zip(v).enumerate() {
+            *b = u32::from(*x >= 0.0) << (7 - j);
+        }
+        bits.iter().fold(0, |acc, b| acc | b) as u8
+    }
 }
 
 /// Eight elements of one pass: `c` (compensated last time, compressed at `s`) becomes

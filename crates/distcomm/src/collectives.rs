@@ -419,13 +419,13 @@ impl Inner {
     /// An equal all_to_all of byte blocks produced one at a time: `produce(d, block)` writes the
     /// block for rank `d`, peers' blocks first, in ring order from the next rank, each sent as
     /// soon as it is written, this rank's own last. `output` receives rank `q`'s block for us
-    /// at `q · per`. See [`exchange`](Self::exchange) for how blocks travel.
+    /// at `q · per`. See [`exchange`](Self::exchange) for how blocks travel. Part of a
+    /// composite operation: not logged alone.
     pub(crate) fn all_to_all_streamed(
         &self,
         tag: u32,
         per: usize,
         output: &mut [u8],
-        quiet: bool,
         produce: &mut dyn FnMut(usize, &mut [u8]),
     ) -> Result<()> {
         let n = self.size();
@@ -435,7 +435,7 @@ impl Inner {
         }
         let call = Call::new(Kind::AllToAll, n * per)
             .bytes(n * per)
-            .quiet(quiet);
+            .quiet(true);
         let blocks = self.exchange(&call, tag, per, produce, &mut || {})?;
         for (q, b) in blocks.into_iter().enumerate() {
             output[q * per..(q + 1) * per].copy_from_slice(&b);
@@ -446,15 +446,15 @@ impl Inner {
 
     /// An all_gather of one byte block per rank, consumed rank by rank: `consume(q, block)`
     /// gets this rank's own block first, while the others are on their way, then the peers'.
+    /// Part of a composite operation: not logged alone.
     pub(crate) fn all_gather_streamed(
         &self,
         tag: u32,
         block: &[u8],
-        quiet: bool,
         consume: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         let (n, me, per) = (self.size(), self.rank, block.len());
-        let call = Call::new(Kind::AllGather, per).bytes(n * per).quiet(quiet);
+        let call = Call::new(Kind::AllGather, per).bytes(n * per).quiet(true);
         let mut fill = |_: usize, out: &mut [u8]| out.copy_from_slice(block);
         let blocks = self.exchange(&call, tag, per, &mut fill, &mut || consume(me, block))?;
         for (q, b) in blocks.into_iter().enumerate() {
@@ -528,6 +528,7 @@ impl Inner {
         let mut sends: Vec<Work<Vec<u8>>> = Vec::new();
         for i in 1..=n {
             let d = (me + i) % n;
+            // Peer d's slot holds what we send it until its block to us arrives below.
             fill(d, &mut blocks[d]);
             if d == me {
                 continue;

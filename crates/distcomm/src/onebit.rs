@@ -7,16 +7,16 @@
 //! 1. adds the worker error to the (padded) buffer, compresses it to one sign bit per element
 //!    (`x ≥ 0 → 1`, packed most-significant bit first) and one scale `‖x‖₂ / √n`, and keeps
 //!    what the compression lost as the new worker error;
-//! 2. phase 1: `all_to_all` of the signs (rank r receives everyone's chunk r) and `all_gather`
-//!    of the scales;
+//! 2. phase 1: `all_to_all` of the signs (rank r receives everyone's chunk r), each block
+//!    carrying its sender's scale;
 //! 3. each rank, as the *server* of its chunk, averages the decompressed chunks, adds its server
 //!    error, compresses the result again and keeps the new server error;
 //! 4. phase 2: `all_gather` of the servers' signs and scales; every rank decompresses the whole
 //!    buffer.
 //!
-//! On the wire each element costs two bits (one per phase) plus two f32 per rank and phase,
-//! against 2·(n−1)/n·32 bits for an exact ring all_reduce. An empty buffer zeroes both error
-//! buffers.
+//! On the wire each element costs two bits (one per phase) plus one f32 per block, against
+//! 2·(n−1)/n·32 bits for an exact ring all_reduce. An empty buffer zeroes both error buffers.
+//! Each phase is one pass over memory and one exchange (see `Inner::exchange`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -346,16 +346,16 @@ impl ProcessGroup {
         })
     }
 
-    /// The sequence numbers of the four collectives of a call (taken at issue time, in program
+    /// The sequence numbers of the two exchanges of a call (taken at issue time, in program
     /// order); none for an empty buffer, which communicates nothing.
-    fn onebit_tags(&self, len: usize) -> Option<[u32; 4]> {
+    fn onebit_tags(&self, len: usize) -> Option<[u32; 2]> {
         (len > 0).then(|| std::array::from_fn(|_| self.inner.next_tag()))
     }
 }
 
-/// Runs one call and books it in the comms log as `onebit_all_reduce` (its four collectives
-/// are not logged alone), with the bytes it actually sent.
-fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
+/// Runs one call and books it in the comms log as `onebit_all_reduce` (its two exchanges are
+/// not logged alone), with the bytes it actually sent.
+fn onebit_on(g: &Inner, tags: [u32; 2], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
     let (started, sent) = (Instant::now(), sent_bytes());
     onebit_rounds(g, tags, buf, state)?;
     let took = started.elapsed();
@@ -372,7 +372,7 @@ fn onebit_on(g: &Inner, tags: [u32; 4], buf: &mut [f32], state: &mut OneBitState
 
 fn onebit_rounds(
     g: &Inner,
-    tags: [u32; 4],
+    tags: [u32; 2],
     buf: &mut [f32],
     state: &mut OneBitState,
 ) -> Result<()> {
@@ -386,7 +386,7 @@ fn onebit_rounds(
 
 fn onebit_passes(
     g: &Inner,
-    tags: [u32; 4],
+    tags: [u32; 2],
     buf: &mut [f32],
     state: &mut OneBitState,
 ) -> Result<()> {
@@ -414,7 +414,7 @@ fn onebit_passes(
         block[..4].copy_from_slice(&scale);
         block[4..].copy_from_slice(&signs[d * per..(d + 1) * per]);
     };
-    let phase1 = g.all_to_all_streamed(tags[0], 4 + per, &mut got, true, &mut fill);
+    let phase1 = g.all_to_all_streamed(tags[0], 4 + per, &mut got, &mut fill);
     g.pool.give(signs);
     // 3. Serve our chunk: average, compensate, compress again: one pass.
     // 4. Phase 2: every server's signs and scale to everyone, decompressed as they come (our
@@ -441,7 +441,7 @@ fn onebit_passes(
             let part = &mut buf[(q * chunk).min(len)..((q + 1) * chunk).min(len)];
             decompress(part, &b[4..], scale);
         };
-        let r = g.all_gather_streamed(tags[2], &block, true, &mut consume);
+        let r = g.all_gather_streamed(tags[1], &block, &mut consume);
         g.pool.give(block);
         r
     });

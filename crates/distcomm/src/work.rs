@@ -387,10 +387,7 @@ impl<B: 'static> Work<B> {
     /// [`wait_timeout`](Self::wait_timeout) through a shared reference (for wrappers that let
     /// several threads wait on one operation).
     pub(crate) fn wait_shared(&self, timeout: Duration) -> Result<Status> {
-        let deadline = Instant::now().checked_add(timeout);
-        let deadline =
-            deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
-        if !self.cell.is_done() && !self.driver.drive_until(&self.cell, deadline) {
+        if !self.cell.is_done() && !self.drive(timeout) {
             return Err(Error::Timeout {
                 op: self.op,
                 rank: self.driver.rank(),
@@ -407,6 +404,15 @@ impl<B: 'static> Work<B> {
                 after: timeout,
             }),
         }
+    }
+
+    /// Drives the operation until it is done or `timeout` passes (the clock is read only here:
+    /// a finished operation's wait costs none of it).
+    fn drive(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now().checked_add(timeout);
+        let deadline =
+            deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
+        self.driver.drive_until(&self.cell, deadline)
     }
 
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error

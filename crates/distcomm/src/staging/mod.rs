@@ -106,10 +106,12 @@ pub struct StagedWork<D: Device, E: Element = u8> {
 
 impl<D: Device, E: Element + Reducible> StagedWork<D, E> {
     /// True once the operation is terminal — and, for a successful staged receive, its data
-    /// is on the device (published here, once). Never waits for the transfer.
+    /// is on the device (published here, once). Never waits: not for the transfer, nor for
+    /// another thread that is publishing (then it says `false` until that is done); once true,
+    /// always true.
     pub fn is_completed(&self) -> bool {
         let terminal = || self.work.is_completed();
-        self.state.poll(terminal, |st| self.finish(st)).is_some()
+        self.state.is_settled(terminal, |st| self.finish(st))
     }
 
     /// Waits up to the group's timeout (see [`wait_timeout`](Self::wait_timeout)).

@@ -5,25 +5,36 @@
 //!
 //! The outcome is settled exactly once, under the lock, and only once the transfer is
 //! terminal; settling is where a staged receive publishes (its one host → device copy), so a
-//! caller that sees the outcome sees the data published, and nobody publishes twice.
+//! caller that sees the outcome sees the data published, and nobody publishes twice. Polling
+//! never waits, not even for another thread's publication.
 
 use crate::error::{Error, Result};
 use crate::work::Status;
 
 #[cfg(loom)]
-use loom::sync::{Mutex, MutexGuard};
+use loom::sync::{
+    atomic::{AtomicBool, Ordering},
+    Mutex, MutexGuard,
+};
+use std::sync::TryLockError;
 #[cfg(not(loom))]
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Mutex, MutexGuard,
+};
 
 /// The outcome of an operation once settled, and the state `S` settling works on.
 pub(crate) struct Settle<S> {
     inner: Mutex<(Option<Result<Status>>, S)>,
+    /// Set once the outcome is (after the publication it covers).
+    settled: AtomicBool,
 }
 
 impl<S> Settle<S> {
     pub(crate) fn new(state: S) -> Self {
         Settle {
             inner: Mutex::new((None, state)),
+            settled: AtomicBool::new(false),
         }
     }
 
@@ -33,7 +44,8 @@ impl<S> Settle<S> {
     }
 
     /// The outcome, settling it with `settle` first if the transfer is `terminal` and nobody
-    /// has yet; `None` while the transfer is in flight. Never waits for the transfer.
+    /// has yet; `None` while the transfer is in flight. Never waits for the transfer (it may
+    /// wait for another thread's settling to finish: see [`is_settled`](Self::is_settled)).
     pub(crate) fn poll(
         &self,
         terminal: impl FnOnce() -> bool,
@@ -45,8 +57,36 @@ impl<S> Settle<S> {
                 return None;
             }
             g.0 = Some(settle(&mut g.1));
+            self.settled.store(true, Ordering::Release);
         }
         g.0.clone()
+    }
+
+    /// Whether the outcome is settled, settling it first if the transfer is `terminal` and
+    /// nobody else is busy with the state. Never waits at all: while another thread holds the
+    /// state (publishing a large receive, say) this says `false`, and once it said `true` it
+    /// always does.
+    pub(crate) fn is_settled(
+        &self,
+        terminal: impl FnOnce() -> bool,
+        settle: impl FnOnce(&mut S) -> Result<Status>,
+    ) -> bool {
+        if self.settled.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return false,
+        };
+        if g.0.is_none() {
+            if !terminal() {
+                return false;
+            }
+            g.0 = Some(settle(&mut g.1));
+            self.settled.store(true, Ordering::Release);
+        }
+        true
     }
 
     /// Waits for the transfer with `block` (outside the lock, so that `poll` on another thread
@@ -78,6 +118,7 @@ impl<S> Settle<S> {
 #[cfg(all(test, loom))]
 mod model {
     use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
     use loom::sync::Arc;
     use loom::thread;
 
@@ -115,9 +156,11 @@ mod model {
                         *n += 1;
                         Ok(status())
                     };
-                    if let Some(r) = settle.poll(|| done.load(Ordering::Acquire), publish) {
-                        assert_eq!(r.map(|s| s.bytes).ok(), Some(8));
+                    if settle.is_settled(|| done.load(Ordering::Acquire), publish) {
                         assert_eq!(settle.with(|n| *n), 1, "completed but not published");
+                        let r = settle.poll(|| true, |_| unreachable!());
+                        assert_eq!(r.and_then(|r| r.ok()).map(|s| s.bytes), Some(8));
+                        assert!(settle.is_settled(|| false, |_| unreachable!()), "sticky");
                         seen.fetch_add(1, Ordering::Relaxed);
                     }
                 })

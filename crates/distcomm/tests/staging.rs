@@ -369,6 +369,30 @@ fn async_collectives_copy_back_only_inside_completion<D: TestDevice>(g: &Process
         assert_eq!(exchanged[r * k], ((me * k) * 3 + r) as i64);
     }
 
+    let w = g
+        .reduce_device_async::<_, i64>(&dev, dev.filled(bytes_of(&vals)), n - 1, ReduceOp::Min)
+        .unwrap();
+    w.wait().unwrap();
+    let got: Vec<i64> = elems(&dev.read(&w.into_buffer().unwrap()));
+    if me == n - 1 {
+        assert_eq!(got[5], 15, "the minimum over ranks of 5 * 3 + rank");
+    } else {
+        assert_eq!(got, vals, "a non-root's buffer is not written");
+    }
+
+    let whole: Vec<i64> = (0..(4 * n) as i64).collect();
+    let src = (me == 0).then(|| dev.filled(bytes_of(&whole)));
+    let w = g
+        .scatter_device_async::<_, i64>(&dev, src.as_ref(), dev.alloc(32).unwrap(), 0)
+        .unwrap();
+    assert_eq!(
+        w.copies().copies,
+        u64::from(me == 0),
+        "the root's input in, at issue"
+    );
+    let got: Vec<i64> = elems(&dev.read(&w.into_buffer().unwrap()));
+    assert_eq!(got, whole[4 * me..4 * me + 4]);
+
     let wrong =
         g.reduce_scatter_device_async::<_, i64>(&dev, &input, dev.alloc(3).unwrap(), ReduceOp::Sum);
     assert!(wrong.is_err(), "a wrong output size fails at issue");

@@ -14,8 +14,8 @@
 //!   `all_reduce` in + out; `broadcast` in on the root, out elsewhere; `reduce` in everywhere,
 //!   out on the root; `all_gather`, `reduce_scatter`, `all_to_all` the input in and the output
 //!   out; `gather` in everywhere, out on the root; `scatter` in on the root, out everywhere.
-//!   A failed collective publishes nothing. Async collectives copy in at issue and out only
-//!   inside completion (`wait`, `is_completed`, `into_buffer`).
+//!   A failed collective publishes nothing. Async collectives (every one but gather) copy in
+//!   at issue and out only inside completion (`wait`, `is_completed`, `into_buffer`).
 //!
 //! Which buffers are staged is a question of capabilities
 //! ([`ProcessGroup::addresses`]): buffers in memory the group's transports address go
@@ -648,6 +648,39 @@ impl ProcessGroup {
         };
         let work = self.broadcast_async(host, root)?;
         Ok(self.staged(dev, !is_root, false, work, Some(buf), stats))
+    }
+
+    /// Async [`reduce_device`](Self::reduce_device) (copied back on the root only; the other
+    /// ranks' device buffers are left as they were).
+    pub fn reduce_device_async<D: Device, T: Reducible>(
+        &self,
+        dev: &Arc<D>,
+        buf: D::Buffer,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<StagedWork<D, T>> {
+        let (host, stats) = self.stage_in::<D, T>(dev, &buf, "reduce")?;
+        let work = self.reduce_async(host, root, op)?;
+        Ok(self.staged(dev, self.rank() == root, false, work, Some(buf), stats))
+    }
+
+    /// Async [`scatter_device`](Self::scatter_device): the root's `input` is copied in now
+    /// (`None` elsewhere); the handle gives back `output`, this rank's block, written on
+    /// completion.
+    pub fn scatter_device_async<D: Device, T: Reducible>(
+        &self,
+        dev: &Arc<D>,
+        input: Option<&D::Buffer>,
+        output: D::Buffer,
+        root: usize,
+    ) -> Result<StagedWork<D, T>> {
+        let block = Stager::new(self, dev.as_ref(), "scatter").elements::<T>(&output)?;
+        let (host, stats) = match input {
+            Some(b) => self.stage_in::<D, T>(dev, b, "scatter")?,
+            None => (Vec::new(), CopyStats::default()),
+        };
+        let work = self.scatter_async(host, block, root)?;
+        Ok(self.staged(dev, true, false, work, Some(output), stats))
     }
 
     /// Async [`all_gather_device`](Self::all_gather_device): `input` is copied in now; the

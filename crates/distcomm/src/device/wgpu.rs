@@ -265,3 +265,36 @@ impl Device for Wgpu {
         self.wait_idle()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Needs a wgpu adapter (CI: lavapipe from `mesa-vulkan-drivers libvulkan1`).
+    #[test]
+    fn odd_lengths_keep_the_bytes_past_an_upload() {
+        let gpu = Wgpu::new().unwrap_or_else(|e| panic!("{e} (install mesa-vulkan-drivers)"));
+        let mut buf = gpu.alloc(11).unwrap();
+        assert_eq!(gpu.len(&buf), 11);
+        gpu.upload(&[9; 11], &mut buf).unwrap();
+        gpu.upload(&[1, 2, 3, 4, 5], &mut buf).unwrap();
+        let mut back = [0u8; 11];
+        gpu.download(&buf, &mut back).unwrap();
+        assert_eq!(back, [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9]);
+        let mut three = [0u8; 3];
+        gpu.download(&buf, &mut three).unwrap();
+        assert_eq!(three, [1, 2, 3]);
+        assert!(
+            gpu.upload(&[0; 12], &mut buf).is_err(),
+            "too long an upload"
+        );
+        let mut empty = gpu.alloc(0).unwrap();
+        gpu.upload(&[], &mut empty).unwrap();
+        assert_eq!(gpu.len(&empty), 0);
+        let err = gpu.alloc(usize::MAX / 2).unwrap_err();
+        assert!(
+            matches!(err, crate::Error::Device { device: "wgpu", .. }),
+            "{err}"
+        );
+    }
+}

@@ -218,26 +218,40 @@ impl Inner {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
-        let (started, sent) = (Instant::now(), sent_bytes());
+        let since = self.since();
         if let Some(arena) = &self.arena {
             arena.announce(&call.fingerprint(), T::DTYPE, tag);
         }
         let result = self.execute_rounds(call, tag, sched, out, inp);
-        self.finished(call, tag, T::DTYPE, (started, sent), &result);
+        self.finished(call, tag, T::DTYPE, since, &result);
         result
     }
 
-    /// Books a finished collective that started at `since` (time, [`sent_bytes`]): into the
-    /// comms log when it succeeded; when it failed, lets every member know, so that none waits
-    /// for us until its deadline.
-    fn finished(&self, call: &Call, tag: u32, dtype: DType, since: (Instant, u64), r: &Result<()>) {
+    /// When a collective starts (time, [`sent_bytes`]), for the comms log; `None` while the log
+    /// is off (no clock read on the small-message path).
+    fn since(&self) -> Option<(Instant, u64)> {
+        self.log.is_on().then(|| (Instant::now(), sent_bytes()))
+    }
+
+    /// Books a finished collective that started at `since` (see [`since`](Self::since)): into
+    /// the comms log when it succeeded; when it failed, lets every member know, so that none
+    /// waits for us until its deadline.
+    fn finished(
+        &self,
+        call: &Call,
+        tag: u32,
+        dtype: DType,
+        since: Option<(Instant, u64)>,
+        r: &Result<()>,
+    ) {
         match r {
             Ok(()) if call.quiet => {}
             Ok(()) => {
-                let (started, sent) = since;
-                let (took, sent) = (started.elapsed(), sent_bytes() - sent);
-                self.log
-                    .record(call.kind.name(), call.bytes, self.size(), took, sent);
+                if let Some((started, sent)) = since {
+                    let (took, sent) = (started.elapsed(), sent_bytes() - sent);
+                    self.log
+                        .record(call.kind.name(), call.bytes, self.size(), took, sent);
+                }
             }
             Err(e) => {
                 let desync = matches!(e, Error::Desync { .. });
@@ -270,7 +284,7 @@ impl Inner {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let since = (Instant::now(), sent_bytes());
+        let since = self.since();
         let n = self.size();
         let fp = call.fingerprint();
         let (timeout, engine) = (self.timeout, &*self.engine);
@@ -306,7 +320,8 @@ impl Inner {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        // Read once the first round's messages are posted: off the path to the first send.
+        let mut deadline = None;
         let fp = call.fingerprint();
         let name = call.kind.name();
         let op = call.op.unwrap_or(ReduceOp::Sum);
@@ -395,6 +410,7 @@ impl Inner {
                 all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
                 all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
                 all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
                 wait_all(&mut all, deadline, self.timeout)?;
             }
             for (w, range, reduce) in recvs {
@@ -485,7 +501,7 @@ impl Inner {
         fill: &mut dyn FnMut(usize, &mut [u8]),
         overlap: &mut dyn FnMut(),
     ) -> Result<Vec<Vec<u8>>> {
-        let since = (Instant::now(), sent_bytes());
+        let since = self.since();
         let r = self.exchange_rounds(call, tag, per, fill, overlap);
         let status = r.as_ref().map(|_| ()).map_err(Clone::clone);
         self.finished(call, tag, DType::U8, since, &status);

@@ -74,6 +74,11 @@ impl CommsLog {
         log
     }
 
+    /// Whether recording is on.
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn record(
         &self,
         op: &'static str,

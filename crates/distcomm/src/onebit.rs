@@ -193,23 +193,37 @@ fn worker_pass(c: &mut [f32], buf: &[f32], s: f32, signs: &mut [u8]) -> f64 {
 /// plus every worker's decompressed contribution weighted by `weights` (`got[r]`: worker r's
 /// sign bytes for the chunk), its packed signs and its sum of squares.
 fn server_pass(c: &mut [f32], s: f32, got: &[&[u8]], weights: &[f32], signs: &mut [u8]) -> f64 {
+    // In tiles of TILE sign bytes that stay in L1: the errors first, then each worker's
+    // contribution in rank order (as a serial sum would add them), then store, square and pack.
+    const TILE: usize = 64;
     let units = units();
     let mut sq = SumSq::new();
-    for (j, (c8, byte)) in c.chunks_exact_mut(8).zip(signs.iter_mut()).enumerate() {
-        let mut v = [0f32; 8];
-        for (o, e) in v.iter_mut().zip(c8.iter()) {
-            *o = e - s * if *e >= 0.0 { 1.0 } else { -1.0 };
-        }
-        // In rank order, as a serial sum would.
-        for (packed, w) in got.iter().zip(weights) {
-            let u = &units[usize::from(packed.get(j).copied().unwrap_or(0))];
-            for (o, u) in v.iter_mut().zip(u) {
-                *o += w * u;
+    let mut v = [[0f32; 8]; TILE];
+    for (t, (ct, st)) in c
+        .chunks_mut(8 * TILE)
+        .zip(signs.chunks_mut(TILE))
+        .enumerate()
+    {
+        let bytes = st.len();
+        for (o, e8) in v.iter_mut().zip(ct.chunks_exact(8)) {
+            for (o, e) in o.iter_mut().zip(e8) {
+                *o = e - s * if *e >= 0.0 { 1.0 } else { -1.0 };
             }
         }
-        c8.copy_from_slice(&v);
-        sq.add(&v);
-        *byte = sign_byte(&v);
+        for (packed, w) in got.iter().zip(weights) {
+            let lo = (t * TILE).min(packed.len());
+            let hi = (t * TILE + bytes).min(packed.len());
+            for (o, &b) in v.iter_mut().zip(&packed[lo..hi]) {
+                for (o, u) in o.iter_mut().zip(&units[usize::from(b)]) {
+                    *o += w * u;
+                }
+            }
+        }
+        for ((o, c8), byte) in v.iter().zip(ct.chunks_exact_mut(8)).zip(st.iter_mut()) {
+            c8.copy_from_slice(o);
+            sq.add(o);
+            *byte = sign_byte(o);
+        }
     }
     sq.finish()
 }

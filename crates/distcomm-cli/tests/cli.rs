@@ -6,6 +6,18 @@ fn distcomm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_distcomm"))
 }
 
+/// Runs `distcomm args…`, requires success, and returns its standard output.
+fn run_ok<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = distcomm().args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 #[test]
 fn bench_under_launch_writes_json_records() {
     let dir = std::env::temp_dir().join(format!("distcomm-cli-{}", std::process::id()));
@@ -61,16 +73,7 @@ fn bench_under_launch_writes_json_records() {
 
 #[test]
 fn bare_bench_starts_its_own_ranks() {
-    let out = distcomm()
-        .args(["bench", "--sizes", "8,100K", "-n", "2"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_ok(&["bench", "--sizes", "8,100K", "-n", "2"]);
     assert!(
         stdout.contains("pingpong") && stdout.contains("stream"),
         "{stdout}"
@@ -121,19 +124,10 @@ fn bench_staging_reports_copies_per_op() {
     std::fs::create_dir_all(&dir).unwrap();
     for (device, copies) in [("emulated", 1), ("host", 0)] {
         let json = dir.join(format!("{device}.json"));
-        let out = distcomm()
-            .args([
-                "bench", "staging", "--device", device, "--sizes", "8,1M", "--json",
-            ])
-            .arg(&json)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let json_arg = json.to_string_lossy();
+        run_ok(&[
+            "bench", "staging", "--device", device, "--sizes", "8,1M", "--json", &json_arg,
+        ]);
         let recs: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let recs = recs.as_array().unwrap();
@@ -163,20 +157,11 @@ fn bench_staging_reports_copies_per_op() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `bench staging` on real GPU buffers (lavapipe in CI): one copy per point-to-point direction.
+/// `bench staging` on real GPU buffers (lavapipe in CI) runs and reports the wgpu device.
 #[cfg(feature = "wgpu")]
 #[test]
 fn bench_staging_on_wgpu() {
-    let out = distcomm()
-        .args(["bench", "staging", "--device", "wgpu", "--sizes", "4100"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_ok(&["bench", "staging", "--device", "wgpu", "--sizes", "4100"]);
     assert!(
         stdout.contains("staged_irecv") && stdout.contains("wgpu"),
         "{stdout}"

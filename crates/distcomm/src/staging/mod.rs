@@ -438,6 +438,21 @@ impl<'a, D: Device> Stager<'a, D> {
         }
     }
 
+    /// A collective that reads all of `input` and writes all of `output` (all_gather,
+    /// reduce_scatter, all_to_all): the input in, `run` on the host, the output out.
+    fn in_out<T: Reducible>(
+        mut self,
+        input: &D::Buffer,
+        output: &mut D::Buffer,
+        run: impl FnOnce(&[T], &mut [T]) -> Result<()>,
+    ) -> Result<CopyStats> {
+        let inp = self.input::<T>(input)?;
+        let mut out = self.output::<T>(output, false)?;
+        let r = run(inp.slice(), out.slice());
+        self.release(inp);
+        self.finish(r, Some(out), true)
+    }
+
     /// Finishes a collective whose result was `r` with its staged output `out`.
     fn finish<T: Reducible>(
         mut self,
@@ -517,12 +532,8 @@ impl ProcessGroup {
         input: &D::Buffer,
         output: &mut D::Buffer,
     ) -> Result<CopyStats> {
-        let mut s = Stager::new(self, dev, "all_gather");
-        let inp = s.input::<T>(input)?;
-        let mut out = s.output::<T>(output, false)?;
-        let r = self.all_gather(inp.slice(), out.slice());
-        s.release(inp);
-        s.finish(r, Some(out), true)
+        Stager::new(self, dev, "all_gather")
+            .in_out::<T>(input, output, |i, o| self.all_gather(i, o))
     }
 
     /// [`gather`](Self::gather) of device buffers: the input in everywhere, the output (the
@@ -576,12 +587,8 @@ impl ProcessGroup {
         output: &mut D::Buffer,
         op: ReduceOp,
     ) -> Result<CopyStats> {
-        let mut s = Stager::new(self, dev, "reduce_scatter");
-        let inp = s.input::<T>(input)?;
-        let mut out = s.output::<T>(output, false)?;
-        let r = self.reduce_scatter(inp.slice(), out.slice(), op);
-        s.release(inp);
-        s.finish(r, Some(out), true)
+        Stager::new(self, dev, "reduce_scatter")
+            .in_out::<T>(input, output, |i, o| self.reduce_scatter(i, o, op))
     }
 
     /// Equal [`all_to_all`](Self::all_to_all) between device buffers: the input in, the
@@ -592,12 +599,8 @@ impl ProcessGroup {
         input: &D::Buffer,
         output: &mut D::Buffer,
     ) -> Result<CopyStats> {
-        let mut s = Stager::new(self, dev, "all_to_all");
-        let inp = s.input::<T>(input)?;
-        let mut out = s.output::<T>(output, false)?;
-        let r = self.all_to_all(inp.slice(), out.slice());
-        s.release(inp);
-        s.finish(r, Some(out), true)
+        Stager::new(self, dev, "all_to_all")
+            .in_out::<T>(input, output, |i, o| self.all_to_all(i, o))
     }
 }
 

@@ -52,13 +52,7 @@ impl<S> Settle<S> {
         settle: impl FnOnce(&mut S) -> Result<Status>,
     ) -> Option<Result<Status>> {
         let mut g = self.lock();
-        if g.0.is_none() {
-            if !terminal() {
-                return None;
-            }
-            g.0 = Some(settle(&mut g.1));
-            self.settled.store(true, Ordering::Release);
-        }
+        self.settle_locked(&mut g, terminal, settle);
         g.0.clone()
     }
 
@@ -79,6 +73,16 @@ impl<S> Settle<S> {
             Err(TryLockError::Poisoned(e)) => e.into_inner(),
             Err(TryLockError::WouldBlock) => return false,
         };
+        self.settle_locked(&mut g, terminal, settle)
+    }
+
+    /// Under the lock: settles once, if the transfer is `terminal`. Returns whether settled.
+    fn settle_locked(
+        &self,
+        g: &mut (Option<Result<Status>>, S),
+        terminal: impl FnOnce() -> bool,
+        settle: impl FnOnce(&mut S) -> Result<Status>,
+    ) -> bool {
         if g.0.is_none() {
             if !terminal() {
                 return false;

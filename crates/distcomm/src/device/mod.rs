@@ -196,7 +196,7 @@ fn fits(n: usize, cap: usize) -> Result<()> {
 }
 
 /// A device-layer failure as the error staging reports.
-#[allow(dead_code)] // used by the optional GPU devices
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn unavailable(device: &'static str, detail: impl std::fmt::Display) -> Error {
     Error::DeviceUnavailable {
         device,
@@ -205,7 +205,7 @@ fn unavailable(device: &'static str, detail: impl std::fmt::Display) -> Error {
 }
 
 /// A failed device operation (allocation, copy, synchronisation).
-#[allow(dead_code)] // used by the optional GPU devices
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn failed(device: &'static str, what: &str, detail: impl std::fmt::Display) -> Error {
     Error::Device {
         device,

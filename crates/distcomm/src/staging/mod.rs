@@ -384,11 +384,16 @@ impl<'a, D: Device> Stager<'a, D> {
                 return Ok(In::Direct(s));
             }
         }
+        self.download(buf, n).map(In::Staged)
+    }
+
+    /// `buf` (`n` elements of `T`) copied to a host buffer from the pool: one counted copy.
+    fn download<T: Reducible>(&mut self, buf: &D::Buffer, n: usize) -> Result<Vec<T>> {
         let mut host: Vec<T> = self.g.inner.pool.take_len(n);
         let bytes = bytemuck::cast_slice_mut(&mut host);
         self.stats
             .count(bytes.len(), || self.dev.download(buf, bytes))?;
-        Ok(In::Staged(host))
+        Ok(host)
     }
 
     /// A buffer the collective writes: downloaded first if the collective also reads it
@@ -406,12 +411,10 @@ impl<'a, D: Device> Stager<'a, D> {
                 bytemuck::try_cast_slice_mut(bytes).unwrap_or_default(),
             ));
         }
-        let mut host: Vec<T> = self.g.inner.pool.take_len(n);
-        if read {
-            let bytes = bytemuck::cast_slice_mut(&mut host);
-            self.stats
-                .count(bytes.len(), || self.dev.download(buf, bytes))?;
-        }
+        let host = match read {
+            true => self.download(buf, n)?,
+            false => self.g.inner.pool.take_len(n),
+        };
         Ok(Out::Staged(host, buf))
     }
 
@@ -739,12 +742,15 @@ impl ProcessGroup {
         buf: &D::Buffer,
         op: &'static str,
     ) -> Result<(Vec<T>, CopyStats)> {
-        let mut s = Stager::new(self, dev, op);
-        s.direct = false;
-        match s.input::<T>(buf)? {
-            In::Staged(v) => Ok((v, s.stats)),
-            In::Direct(v) => Ok((v.to_vec(), s.stats)),
-        }
+        let mut s = Stager {
+            g: self,
+            dev,
+            op,
+            direct: false,
+            stats: CopyStats::default(),
+        };
+        let n = s.elements::<T>(buf)?;
+        Ok((s.download(buf, n)?, s.stats))
     }
 
     /// That an async collective's output buffer holds exactly `want` bytes (checked before

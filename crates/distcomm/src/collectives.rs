@@ -29,7 +29,7 @@ use crate::mpi::{Coll, Comm as MpiComm};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::frame::{Fingerprint, KIND_NAMES};
 use crate::transport::tcp::Envelope;
-use crate::work::{block, Driver, OpCell, RawView, Work};
+use crate::work::{block, Deadline, Driver, OpCell, RawView, Work};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -1035,7 +1035,8 @@ struct Waiter {
 }
 
 impl Driver for Waiter {
-    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+    fn drive_until(&self, cell: &OpCell, deadline: &mut Deadline) -> bool {
+        let deadline = deadline.get();
         loop {
             if block(cell, deadline) {
                 return true;

@@ -133,7 +133,7 @@ mod imp {
     use crate::group::{CTX_PIPE, CTX_USER};
     use crate::reduce::{ReduceOp, Reducible};
     use crate::transport::tcp::Envelope;
-    use crate::work::{BoxBuf, Driver, OpCell, Status, Work};
+    use crate::work::{BoxBuf, Deadline, Driver, OpCell, Status, Work};
 
     /// An MPI handle (communicator, request, message): an opaque pointer that MPI lets any
     /// thread use; distcomm only ever uses one under the process-wide lock ([`mpi_lock`]).
@@ -624,10 +624,11 @@ mod imp {
     }
 
     impl Driver for MpiDriver {
-        fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+        fn drive_until(&self, cell: &OpCell, deadline: &mut Deadline) -> bool {
             let Ok(g) = global() else {
                 return cell.is_done();
             };
+            let deadline = deadline.get();
             let mut turns = 0u32;
             loop {
                 if cell.is_done() {

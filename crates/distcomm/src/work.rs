@@ -259,10 +259,42 @@ impl OpCell {
     }
 }
 
+/// A deadline `timeout` from the first time anyone asks for it. A wait that ends before it
+/// looks at the clock never reads it: on a small message's path a clock read costs as much
+/// as the rest of the wait (measured: three of them were 0.07 µs of a 0.94 µs half round trip
+/// over shared memory).
+pub(crate) struct Deadline {
+    timeout: Duration,
+    at: Option<Instant>,
+}
+
+impl Deadline {
+    pub(crate) fn after(timeout: Duration) -> Self {
+        Deadline { timeout, at: None }
+    }
+
+    /// The deadline, fixing it at `now` + timeout if nobody asked before.
+    pub(crate) fn from(&mut self, now: Instant) -> Instant {
+        let timeout = self.timeout;
+        *self.at.get_or_insert_with(|| {
+            now.checked_add(timeout)
+                .unwrap_or_else(|| now + Duration::from_secs(86400 * 365))
+        })
+    }
+
+    /// The deadline, reading the clock if it is not fixed yet.
+    pub(crate) fn get(&mut self) -> Instant {
+        match self.at {
+            Some(at) => at,
+            None => self.from(Instant::now()),
+        }
+    }
+}
+
 /// What a handle needs from whoever drives progress.
 pub(crate) trait Driver: Send + Sync {
     /// Waits until `cell` is done or `deadline` passes, driving progress meanwhile.
-    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool;
+    fn drive_until(&self, cell: &OpCell, deadline: &mut Deadline) -> bool;
     /// Called when a pending handle is dropped: withdraw the operation if it has not started.
     fn cancel(&self, op_id: u64);
     /// Rank of this process, for error messages.
@@ -406,13 +438,10 @@ impl<B: 'static> Work<B> {
         }
     }
 
-    /// Drives the operation until it is done or `timeout` passes (the clock is read only here:
-    /// a finished operation's wait costs none of it).
+    /// Drives the operation until it is done or `timeout` passes.
     fn drive(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now().checked_add(timeout);
-        let deadline =
-            deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86400 * 365));
-        self.driver.drive_until(&self.cell, deadline)
+        self.driver
+            .drive_until(&self.cell, &mut Deadline::after(timeout))
     }
 
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error

@@ -39,7 +39,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -50,7 +50,7 @@ use super::shm;
 use super::ShmLink;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::work::{block, BoxBuf, Driver, OpCell, Status};
+use crate::work::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 
 /// Everything about a posted operation except its buffer and its peer.
 #[derive(Debug, Clone, Copy)]
@@ -170,8 +170,13 @@ const READ_BUDGET: usize = 8 << 20;
 const MAX_IOV: usize = 64;
 /// Spin budget of a waiter whose large transfer is under way.
 const ACTIVE_SPIN: Duration = Duration::from_millis(50);
+/// `Shared::spinning` holds two counters: waiters spinning now (low 32 bits) and spins ended so
+/// far (high 32 bits, wrapping), so that ending a spin is one atomic step and reads no clock.
+const SPINNER: u64 = 1;
+const SPINNERS: u64 = 0xffff_ffff;
+const SPIN_ENDED: u64 = 1 << 32;
 /// After a waiter stops spinning, the progress thread keeps off the sockets this long.
-const SPIN_GRACE_US: u64 = 2000;
+const SPIN_GRACE: Duration = Duration::from_millis(2);
 
 struct Posted {
     id: u64,
@@ -1614,14 +1619,12 @@ struct Shared {
     st: Mutex<State>,
     wake_tx: UnixStream,
     wake_rx: UnixStream,
-    spinning: AtomicUsize,
+    /// Waiters spinning now, and spins ended so far (see [`SPINNER`]).
+    spinning: AtomicU64,
     /// The progress thread is (or is about to be) asleep in poll(2) on the sockets.
     watching: AtomicBool,
     /// A waiter stopped spinning to sleep: the progress thread must watch the sockets now.
     handoff: AtomicBool,
-    /// When the last spinner stopped, in µs since `epoch`.
-    last_spin_us: AtomicU64,
-    epoch: Instant,
     stop: AtomicBool,
     spin: Duration,
     yield_spin: bool,
@@ -1632,10 +1635,6 @@ impl Shared {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
-    }
-
     fn poke(&self) {
         let _ = (&self.wake_tx).write(&[1]);
     }
@@ -1643,6 +1642,8 @@ impl Shared {
     fn run_progress_thread(&self) {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut owners: Vec<usize> = Vec::new();
+        let mut ends_seen = 0;
+        let mut last_end = Instant::now();
         while !self.stop.load(Ordering::Acquire) {
             fds.clear();
             owners.clear();
@@ -1652,13 +1653,18 @@ impl Shared {
                 revents: 0,
             });
             // Leave the sockets to waiters while they spin, and for a grace period after, so
-            // that back-to-back waits do not have two threads fighting over each socket.
-            let spinning = self.spinning.load(Ordering::Acquire) > 0
+            // that back-to-back waits do not have two threads fighting over each socket. The
+            // grace counts from when this thread noticed that a spin ended (at most one poll
+            // timeout late), so that waiters need not read the clock.
+            let word = self.spinning.load(Ordering::Acquire);
+            let now = Instant::now();
+            if word / SPIN_ENDED != ends_seen {
+                ends_seen = word / SPIN_ENDED;
+                last_end = now;
+            }
+            let spinning = word & SPINNERS != 0
                 || (!self.handoff.load(Ordering::Acquire)
-                    && self
-                        .now_us()
-                        .saturating_sub(self.last_spin_us.load(Ordering::Acquire))
-                        < SPIN_GRACE_US);
+                    && now.duration_since(last_end) < SPIN_GRACE);
             self.watching.store(!spinning, Ordering::Release);
             let mut busy = false;
             if !spinning {
@@ -1762,11 +1768,9 @@ impl Engine {
             }),
             wake_tx,
             wake_rx,
-            spinning: AtomicUsize::new(0),
+            spinning: AtomicU64::new(0),
             watching: AtomicBool::new(false),
             handoff: AtomicBool::new(false),
-            last_spin_us: AtomicU64::new(0),
-            epoch: Instant::now(),
             stop: AtomicBool::new(false),
             spin: cfg.spin,
             yield_spin: cfg.yield_spin,
@@ -2036,9 +2040,9 @@ impl Engine {
 impl Engine {
     /// Spins (driving progress) while things move, then sleeps until the operation completes,
     /// is kicked, or the deadline passes. Returns whether it is done.
-    fn spin_then_sleep(&self, cell: &OpCell, deadline: Instant) -> bool {
+    fn spin_then_sleep(&self, cell: &OpCell, deadline: &mut Deadline) -> bool {
         if !self.sh.spin.is_zero() {
-            self.sh.spinning.fetch_add(1, Ordering::AcqRel);
+            self.sh.spinning.fetch_add(SPINNER, Ordering::AcqRel);
             self.sh.handoff.store(false, Ordering::Release);
             if self.sh.watching.load(Ordering::Acquire) {
                 // Get the progress thread off the sockets.
@@ -2046,9 +2050,10 @@ impl Engine {
             }
             // Spin while things move; sleep after `spin` without any progress.
             // Reading the clock costs as much as a turn of the loop: read it every few turns,
-            // and note only whether anything moved in between.
+            // and note only whether anything moved in between. A wait that ends within the
+            // first few turns never reads it.
             const CLOCK_EVERY: u32 = 32;
-            let mut idle_since = Instant::now();
+            let mut idle_since: Option<Instant> = None;
             let mut moved_since_clock = false;
             let mut turns = 0u32;
             let mut fds = Vec::new();
@@ -2081,9 +2086,11 @@ impl Engine {
                     continue;
                 }
                 let now = Instant::now();
-                if std::mem::take(&mut moved_since_clock) {
-                    idle_since = now;
+                let deadline = deadline.from(now);
+                if std::mem::take(&mut moved_since_clock) || idle_since.is_none() {
+                    idle_since = Some(now);
                 }
+                let idle = idle_since.map_or(Duration::ZERO, |t| now.duration_since(t));
                 // Once both sides are engaged in a large transfer, a pause is the TCP window
                 // refilling, not an absent peer: sleeping there would halve the bandwidth.
                 let budget = if cell.is_active() {
@@ -2091,7 +2098,7 @@ impl Engine {
                 } else {
                     self.sh.spin
                 };
-                if now >= deadline || now.duration_since(idle_since) >= budget {
+                if now >= deadline || idle >= budget {
                     break;
                 }
                 if self.sh.yield_spin {
@@ -2104,27 +2111,29 @@ impl Engine {
             if !done {
                 self.sh.handoff.store(true, Ordering::Release);
             }
-            self.sh
-                .last_spin_us
-                .store(self.sh.now_us(), Ordering::Release);
-            if self.sh.spinning.fetch_sub(1, Ordering::AcqRel) == 1 && !done {
+            // One step: one spinner fewer, one spin ended (for the progress thread's grace).
+            let before = self
+                .sh
+                .spinning
+                .fetch_add(SPIN_ENDED.wrapping_sub(SPINNER), Ordering::AcqRel);
+            if before & SPINNERS == SPINNER && !done {
                 self.sh.poke();
             }
             if cell.is_done() {
                 return true;
             }
         }
-        block(cell, deadline)
+        block(cell, deadline.get())
     }
 }
 
 impl Driver for Engine {
-    fn drive_until(&self, cell: &OpCell, deadline: Instant) -> bool {
+    fn drive_until(&self, cell: &OpCell, deadline: &mut Deadline) -> bool {
         loop {
             if self.spin_then_sleep(cell, deadline) {
                 return true;
             }
-            if Instant::now() >= deadline {
+            if Instant::now() >= deadline.get() {
                 return cell.is_done();
             }
         }

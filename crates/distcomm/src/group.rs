@@ -925,7 +925,9 @@ impl ProcessGroup {
                 dtype: DType::U8,
                 ctx: CTX_BARRIER,
                 tag: round,
-                fp: Fingerprint::NONE,
+                // A collective's fingerprint: the send completes once written, with no
+                // acknowledgement to wait for (half the time of a round).
+                fp: Fingerprint::BARRIER,
             };
             let mut r: Work<Vec<u8>> =
                 self.inner

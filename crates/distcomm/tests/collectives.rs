@@ -571,11 +571,13 @@ fn a_rank_dying_mid_collective_fails_the_others_promptly() {
             let mut x = vec![1f32; 1000];
             g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
             if r == n - 1 {
-                // Vanish in the middle of a large collective.
+                // Vanish in the middle of a large collective: 16 MiB takes ~10 ms here over
+                // shared memory (and longer over TCP), so 1 ms in it is well inside it (with
+                // 20 ms the collective had sometimes finished, rightly, before the exit).
                 let _w = g
                     .all_reduce_async(vec![1f32; 4 << 20], ReduceOp::Sum)
                     .unwrap();
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(std::time::Duration::from_millis(1));
                 std::process::exit(0);
             }
             let t = std::time::Instant::now();

@@ -8,7 +8,7 @@
 //!      2    2 reserved (zero)
 //!      4    4 ctx      (communication context: user p2p, internal collectives, subgroups)
 //!      8    4 tag
-//!     12    4 aux      (Nack: reason code)
+//!     12    4 aux      (Nack: reason code; Eager: flags)
 //!     16    8 msg_id   (sender-chosen, unique per connection)
 //!     24    8 len      (payload bytes for Eager/Data; announced size for Rts/Rget; capacity for Nack)
 //!     32    1 fp.kind  (collective fingerprint: 0 for point-to-point)
@@ -36,7 +36,8 @@ pub const RGET_PAYLOAD: usize = 8;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
-    /// Small message with its payload inline; the receiver answers Ack or Nack once matched.
+    /// Small message with its payload inline; the receiver answers Ack or Nack once matched
+    /// (only Nack, on refusal, when `aux` has [`EAGER_NO_ACK`]).
     Eager = 1,
     /// Request to send a large message; the receiver answers Cts or Nack once matched.
     Rts = 2,
@@ -62,6 +63,10 @@ pub enum Kind {
     /// The sender wrote what an Rput asked for (`aux` 0), or could not (`aux` 1).
     Put = 10,
 }
+
+/// `aux` flag of an Eager frame: the sender does not wait for an Ack (collective messages,
+/// whose senders never wait for their small sends: a refusal cancels the whole collective).
+pub const EAGER_NO_ACK: u32 = 1;
 
 /// Why a receiver refused a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +117,12 @@ impl Fingerprint {
         op: 0,
         root: 0,
         count: 0,
+    };
+
+    /// The messages of a barrier.
+    pub const BARRIER: Fingerprint = Fingerprint {
+        kind: 9,
+        ..Fingerprint::NONE
     };
 
     /// Human-readable description, e.g. `all_reduce(op=sum, count=10, dtype=f32)`.

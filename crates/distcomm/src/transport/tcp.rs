@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::frame::{Fingerprint, Header, Kind, NackReason, HEADER_LEN, RGET_PAYLOAD};
+use super::frame::{Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, RGET_PAYLOAD};
 #[cfg(target_os = "linux")]
 use super::shm;
 use super::ShmLink;
@@ -218,6 +218,8 @@ struct PendingSend {
     /// Its address went to the receiver (Rget), which may be copying from it: the buffer must
     /// outlive the receiver's answer (or death), even if the operation fails here first.
     lent: bool,
+    /// An eager collective message ([`EAGER_NO_ACK`]): complete once written.
+    no_ack: bool,
 }
 
 struct Out {
@@ -591,6 +593,7 @@ impl State {
     /// Self-sends are answered in place.
     fn answer(&mut self, src: usize, h: &Header, refusal: Option<(NackReason, &Posted)>) {
         let (kind, aux, len, dtype, fp) = match refusal {
+            None if h.kind == Kind::Eager && h.aux & EAGER_NO_ACK != 0 => return,
             None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype, Fingerprint::NONE),
             None => (Kind::Ack, 0, 0, h.dtype, Fingerprint::NONE),
             Some((reason, r)) => (
@@ -965,6 +968,9 @@ impl State {
                 self.cancel_collective_from(p, &h);
                 Ok(Rx::Header)
             }
+            // The refusal of a message sent without waiting for an answer (EAGER_NO_ACK):
+            // its collective is cancelled on every rank anyway.
+            Kind::Nack if !self.sends.contains_key(&h.msg_id) => Ok(Rx::Header),
             Kind::Ack | Kind::Nack => {
                 if self.sends.get(&h.msg_id).is_none_or(|s| s.dst != p) {
                     return self.protocol(format!("reply for unknown message {}", h.msg_id));
@@ -1281,11 +1287,20 @@ impl State {
     fn frame_written(&mut self, p: usize, o: Out) {
         let Some(id) = o.send_id else { return };
         match o.kind {
-            Kind::Eager => {
-                if let Some(s) = self.sends.get_mut(&id) {
-                    s.buf = o.payload;
+            Kind::Eager => match self.sends.get_mut(&id) {
+                Some(s) if s.no_ack => {
+                    if let Some(s) = self.sends.remove(&id) {
+                        let status = Status {
+                            peer: p,
+                            tag: s.tag,
+                            bytes: s.len,
+                        };
+                        s.cell.complete(Ok(status), o.payload);
+                    }
                 }
-            }
+                Some(s) => s.buf = o.payload,
+                None => {}
+            },
             Kind::Data => {
                 let end = o.base + o.plen;
                 let more = self.sends.get(&id).filter(|s| end < s.len);
@@ -1820,6 +1835,7 @@ impl Engine {
             cell: cell.clone(),
             buf: None,
             lent: false,
+            no_ack: false,
         };
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
@@ -1855,8 +1871,11 @@ impl Engine {
         };
         let direct = cma && len > eager;
         let out = if len <= eager {
+            // Collective senders never wait for a small send (see `EAGER_NO_ACK`).
+            pending.no_ack = fp.kind != 0;
+            let aux = if pending.no_ack { EAGER_NO_ACK } else { 0 };
             Out {
-                hdr: hdr.encode(),
+                hdr: Header { aux, ..hdr }.encode(),
                 kind: Kind::Eager,
                 payload: Some(buf),
                 base: 0,

@@ -114,6 +114,40 @@ pub fn ring_all_reduce(n: usize, r: usize, count: usize) -> Schedule {
     s
 }
 
+/// `schedule` run on consecutive, balanced segments of at most `seg` of the `count` elements,
+/// one after the other (each a complete collective on its slice), so that what a round moves
+/// stays small enough to be reduced while it is still in cache.
+pub fn segmented(count: usize, seg: usize, schedule: impl Fn(usize) -> Schedule) -> Schedule {
+    let parts = count.div_ceil(seg.max(1)).max(1);
+    let shift = |r: Range<usize>, by: usize| r.start + by..r.end + by;
+    chunks(count, parts)
+        .into_iter()
+        .flat_map(|part| {
+            schedule(part.len()).into_iter().map(move |round| {
+                round
+                    .into_iter()
+                    .map(|step| match step {
+                        Step::Send { peer, space, range } => Step::Send {
+                            peer,
+                            space,
+                            range: shift(range, part.start),
+                        },
+                        Step::Recv {
+                            peer,
+                            range,
+                            reduce,
+                        } => Step::Recv {
+                            peer,
+                            range: shift(range, part.start),
+                            reduce,
+                        },
+                    })
+                    .collect()
+            })
+        })
+        .collect()
+}
+
 /// Latency-optimal all-reduce: recursive doubling among the largest power of two `p ≤ n`; the
 /// first `2(n − p)` ranks pair up first (even sends to odd) and get the result back at the end.
 /// ⌈log₂ n⌉ + 2 rounds when `n` is not a power of two, log₂ n when it is.
@@ -424,6 +458,20 @@ mod tests {
             simulate(&s, &mut outs, &ins, add).unwrap();
             let want = sum_of(&ins);
             for o in &outs { prop_assert_eq!(o, &want); }
+        }
+
+        #[test]
+        fn segmented_ring_all_reduce(n in 1usize..9, count in 0usize..60, seg in 1usize..25) {
+            let ins = inputs(n, count);
+            let mut outs = ins.clone();
+            let s: Vec<_> = (0..n)
+                .map(|r| segmented(count, seg, |len| ring_all_reduce(n, r, len)))
+                .collect();
+            simulate(&s, &mut outs, &ins, add).unwrap();
+            let want = sum_of(&ins);
+            for o in &outs { prop_assert_eq!(o, &want); }
+            let rounds = 2 * n.saturating_sub(1) * count.div_ceil(seg).max(1);
+            prop_assert_eq!(s[0].len(), rounds);
         }
 
         #[test]

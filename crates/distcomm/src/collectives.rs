@@ -403,9 +403,9 @@ impl Inner {
                         let mut buf: Vec<T> = self.pool.take();
                         buf.extend_from_slice(src);
                         let w: Work<Vec<T>> = self.post_send(env, Box::new(buf), *peer)?;
-                        // A small send completes when the receiver acknowledges it, one more
-                        // one-way trip: do not wait for that. It finishes in the background;
-                        // a receiver that refuses it cancels the collective on every rank.
+                        // A small send of a collective completes once written (no
+                        // acknowledgement: a receiver that refuses it cancels the collective on
+                        // every rank); nothing to wait for.
                         if std::mem::size_of_val(src) > eager_max {
                             sends.push(w);
                         }

@@ -380,8 +380,9 @@ impl Inner {
                         range,
                         reduce,
                     } => {
-                        let mut buf: Vec<T> = self.pool.take();
-                        buf.resize(range.len(), T::zeroed());
+                        // Overwritten whole by the message (a collective's must fit exactly),
+                        // so whatever the pooled buffer held need not be cleared first.
+                        let buf: Vec<T> = self.pool.take_len(range.len());
                         let w: Work<Vec<T>> = self.post_recv(env, Box::new(buf), Some(*peer))?;
                         recvs.push((w, range.clone(), *reduce));
                     }
@@ -835,9 +836,15 @@ impl Inner {
                 T::narrow(output, &wide[mine]);
             }
             None => {
-                let mut work = input.to_vec();
-                self.execute(&call, tag, &sched, &mut work, &[])?;
-                output.copy_from_slice(&work[mine]);
+                // A pooled working copy: a fresh one of a large input is page faults every call.
+                let mut work = self.pool.take();
+                work.extend_from_slice(input);
+                let done = self.execute(&call, tag, &sched, &mut work, &[]);
+                if done.is_ok() {
+                    output.copy_from_slice(&work[mine]);
+                }
+                self.pool.give(work);
+                done?;
                 if op == ReduceOp::Avg {
                     T::finish_avg(output, n);
                 }

@@ -604,9 +604,9 @@ impl Inner {
         })
     }
 
-    /// An average of 16-bit floats, run whole in `f32` and divided (where `divide`) before it
-    /// is rounded back. `None` for other types.
-    fn widened_avg<T: Reducible>(
+    /// A reducing collective on 16-bit floats, run whole in `f32` and, where `divide` (the end
+    /// of an average), divided before it is rounded back. `None` for other types.
+    fn in_f32<T: Reducible>(
         &self,
         call: &Call,
         tag: u32,
@@ -634,17 +634,8 @@ impl Inner {
         sched: &Schedule,
         buf: &mut [T],
     ) -> Result<()> {
-        match self.widened(buf) {
-            Some(mut wide) => {
-                let done = self.execute::<f32>(call, tag, sched, &mut wide, &[]);
-                if done.is_ok() {
-                    T::narrow(buf, &wide);
-                }
-                self.pool.give(wide);
-                done
-            }
-            None => self.execute(call, tag, sched, buf, &[]),
-        }
+        self.in_f32(call, tag, sched, buf, false)
+            .unwrap_or_else(|| self.execute(call, tag, sched, buf, &[]))
     }
 
     fn all_reduce_on<T: Reducible>(
@@ -683,7 +674,7 @@ impl Inner {
             };
         // Averages of 16-bit floats divide in f32 too: widen around the whole thing.
         if op == ReduceOp::Avg {
-            if let Some(done) = self.widened_avg(&call, tag, &sched, buf, true) {
+            if let Some(done) = self.in_f32(&call, tag, &sched, buf, true) {
                 return done;
             }
         }
@@ -735,7 +726,7 @@ impl Inner {
         }
         let sched = alg::binomial_reduce(n, r, root, buf.len());
         if op == ReduceOp::Avg {
-            if let Some(done) = self.widened_avg(&call, tag, &sched, buf, r == root) {
+            if let Some(done) = self.in_f32(&call, tag, &sched, buf, r == root) {
                 return done;
             }
         }

@@ -39,6 +39,21 @@ pub struct BenchArgs {
     /// (no staging), wgpu or cuda (builds with those features).
     #[arg(long, default_value = "emulated")]
     device: String,
+    /// Element type of the collectives: f32, f64, f16, bf16, i32, i64, i8 or u8 (16-bit floats
+    /// are reduced in f32, so their data travels as f32).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: String,
+}
+
+fn parse_dtype(s: &str) -> std::result::Result<String, String> {
+    if crate::collbench::DTYPES.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "unknown element type {s:?}; one of {}",
+            crate::collbench::DTYPES.join(", ")
+        ))
+    }
 }
 
 const SUITES: &[&str] = &[
@@ -86,6 +101,8 @@ fn parse_size(s: &str) -> std::result::Result<usize, String> {
 pub struct Record {
     pub op: &'static str,
     pub bytes: usize,
+    /// Element type (`u8` for point-to-point).
+    pub dtype: &'static str,
     pub world: usize,
     pub transport: &'static str,
     pub iters: usize,
@@ -113,6 +130,12 @@ pub struct Staging {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.suite == "onebit_all_reduce" && args.dtype != "f32" {
+        return Err(Error::Config(format!(
+            "bench onebit_all_reduce compresses f32 only, not {}",
+            args.dtype
+        )));
+    }
     if !distcomm::env::JobEnv::present() {
         return self_launch(&args);
     }
@@ -126,10 +149,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
             v
         }
     };
+    let f32_only = |s: &&str| *s != "onebit_all_reduce" || args.dtype == "f32";
     let suites: Vec<&'static str> = match args.suite.as_str() {
-        "all" => SUITES[..SUITES.len() - 2].to_vec(),
+        "all" => SUITES[..SUITES.len() - 2]
+            .iter()
+            .copied()
+            .filter(f32_only)
+            .collect(),
         one => SUITES.iter().copied().filter(|s| *s == one).collect(),
     };
+
     if (suites.contains(&"p2p") || suites.contains(&"staging")) && group.size() < 2 {
         return Err(Error::Config(format!(
             "bench {} needs at least 2 ranks",
@@ -190,7 +219,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     v
                 }
                 "staging" => crate::stagebench::run_size(&group, &args.device, size)?,
-                op => crate::collbench::run_op(&group, op, size, !args.no_check)?
+                op => crate::collbench::run_op(&group, op, &args.dtype, size, !args.no_check)?
                     .into_iter()
                     .collect(),
             };
@@ -204,16 +233,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     records.push(rec);
                     continue;
                 }
-                let elem = if rec.op == "pingpong" || rec.op == "stream" {
-                    1
-                } else {
-                    4
+                let elem = match rec.dtype {
+                    "f64" | "i64" => 8,
+                    "f32" | "i32" => 4,
+                    "f16" | "bf16" => 2,
+                    _ => 1,
                 };
                 say(format!(
                     "  {:>10} {:>10} {:>6} {:>14} {:>11.2} {:>12.3} {:>12.3} {:>6}",
                     rec.bytes,
                     rec.bytes / elem,
-                    if elem == 1 { "u8" } else { "f32" },
+                    rec.dtype,
                     rec.op,
                     rec.time_us,
                     rec.algbw_gbs,
@@ -298,6 +328,11 @@ pub fn record(
     Record {
         op,
         bytes,
+        dtype: if op == "pingpong" || op == "stream" {
+            "u8"
+        } else {
+            "f32"
+        },
         world: g.size(),
         transport: g.transport(),
         iters,

@@ -3,22 +3,75 @@
 use std::time::Instant;
 
 use distcomm::commslog::bus_factor;
-use distcomm::{padded_len, Error, OneBitState, ProcessGroup, ReduceOp, Result};
+use distcomm::{padded_len, Error, OneBitState, ProcessGroup, ReduceOp, Reducible, Result};
 
 use crate::bench::{record, Record};
 
+/// The element types `--dtype` accepts.
+pub const DTYPES: &[&str] = &["f32", "f64", "f16", "bf16", "i32", "i64", "i8", "u8"];
+
+/// An element type the benchmark can fill with small whole numbers and check exactly (every
+/// value the checks use, at most 2 × 101 and n², is exact in each of them).
+trait Val: Reducible + PartialEq {
+    fn of(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    /// 1-bit compression works on f32 only.
+    fn onebit(g: &ProcessGroup, _buf: &mut [Self], _state: &mut OneBitState) -> Result<()> {
+        Err(Error::InvalidArgument {
+            op: "onebit_all_reduce",
+            rank: g.rank(),
+            detail: "the 1-bit all_reduce takes f32 only".into(),
+        })
+    }
+}
+
+macro_rules! val {
+    ($($t:ty),*; $($h:ty),*) => {
+        $(impl Val for $t {
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+        })*
+        $(impl Val for $h {
+            fn of(x: f64) -> Self {
+                <$h>::from_f64(x)
+            }
+            fn to_f64(self) -> f64 {
+                <$h>::to_f64(self)
+            }
+        })*
+    };
+}
+
+val!(f64, i32, i64, i8, u8; half::f16, half::bf16);
+
+impl Val for f32 {
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn onebit(g: &ProcessGroup, buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
+        g.onebit_all_reduce(buf, state)
+    }
+}
+
 /// Buffers for one op: `S` = `size` bytes is the per-rank buffer of nccl-tests (the full
 /// output for all_gather/gather, the full input for reduce_scatter/scatter/all_to_all).
-struct Bufs {
-    a: Vec<f32>,
-    b: Vec<f32>,
+struct Bufs<T> {
+    a: Vec<T>,
+    b: Vec<T>,
     block: usize,
     /// Error feedback of `onebit_all_reduce`.
     state: OneBitState,
 }
 
-fn bufs(op: &str, n: usize, size: usize) -> Bufs {
-    let count = (size / 4).max(1);
+fn bufs<T: Val>(op: &str, n: usize, size: usize) -> Bufs<T> {
+    let count = (size / size_of::<T>()).max(1);
     let block = (count / n).max(1);
     // Ops made of per-rank blocks need a whole number of them.
     let len = match op {
@@ -26,18 +79,18 @@ fn bufs(op: &str, n: usize, size: usize) -> Bufs {
         _ => block * n,
     };
     Bufs {
-        a: vec![0.0; len],
-        b: vec![0.0; len],
+        a: vec![T::of(0.0); len],
+        b: vec![T::of(0.0); len],
         block,
         state: OneBitState::default(),
     }
 }
 
-fn once(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
+fn once<T: Val>(g: &ProcessGroup, op: &str, x: &mut Bufs<T>) -> Result<()> {
     let (n, k) = (g.size(), x.block);
     match op {
         "all_reduce" => g.all_reduce(&mut x.a, ReduceOp::Sum),
-        "onebit_all_reduce" => g.onebit_all_reduce(&mut x.a, &mut x.state),
+        "onebit_all_reduce" => T::onebit(g, &mut x.a, &mut x.state),
         "broadcast" => g.broadcast(&mut x.a, 0),
         "reduce" => g.reduce(&mut x.a, 0, ReduceOp::Sum),
         "all_gather" => g.all_gather(&x.a[..k], &mut x.b[..n * k]),
@@ -56,28 +109,27 @@ fn once(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
 }
 
 /// Runs `op` once on known data and checks the result against a serial reference.
-fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
+fn verify<T: Val>(g: &ProcessGroup, op: &str, x: &mut Bufs<T>) -> Result<()> {
     let (n, r, k) = (g.size(), g.rank(), x.block);
-    let tri = (n * (n + 1) / 2) as f32;
-    let pat = |i: usize| (i % 251) as f32;
+    let v = |x: usize| T::of(x as f64);
+    let tri = v(n * (n + 1) / 2);
+    let pat = |i: usize| v(i % 101);
     match op {
-        "all_reduce" | "onebit_all_reduce" | "reduce" | "reduce_scatter" => {
-            x.a.fill(r as f32 + 1.0)
-        }
+        "all_reduce" | "onebit_all_reduce" | "reduce" | "reduce_scatter" => x.a.fill(v(r + 1)),
         "broadcast" => {
-            for (i, v) in x.a.iter_mut().enumerate() {
-                *v = if r == 0 { pat(i) } else { 0.0 };
+            for (i, e) in x.a.iter_mut().enumerate() {
+                *e = if r == 0 { pat(i) } else { v(0) };
             }
         }
-        "all_gather" | "gather" => x.a.fill(r as f32),
+        "all_gather" | "gather" => x.a.fill(v(r)),
         "scatter" => {
-            for (i, v) in x.a.iter_mut().enumerate() {
-                *v = (i / k) as f32;
+            for (i, e) in x.a.iter_mut().enumerate() {
+                *e = v(i / k);
             }
         }
         "all_to_all" => {
-            for (i, v) in x.a.iter_mut().enumerate() {
-                *v = (r * n + i / k) as f32;
+            for (i, e) in x.a.iter_mut().enumerate() {
+                *e = v(r * n + i / k);
             }
         }
         _ => {}
@@ -91,16 +143,16 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
         "onebit_all_reduce" => {
             x.state = OneBitState::default();
             x.a.iter()
-                .all(|&v| (f64::from(v) - onebit).abs() <= 1e-5 * onebit)
+                .all(|&e| (e.to_f64() - onebit).abs() <= 1e-5 * onebit)
         }
-        "all_reduce" => x.a.iter().all(|&v| v == tri),
-        "reduce" => r != 0 || x.a.iter().all(|&v| v == tri),
-        "reduce_scatter" => x.b[..k].iter().all(|&v| v == tri),
-        "broadcast" => x.a.iter().enumerate().all(|(i, &v)| v == pat(i)),
-        "all_gather" => (0..n * k).all(|i| x.b[i] == (i / k) as f32),
-        "gather" => r != 0 || (0..n * k).all(|i| x.b[i] == (i / k) as f32),
-        "scatter" => x.b[..k].iter().all(|&v| v == r as f32),
-        "all_to_all" => (0..n * k).all(|i| x.b[i] == ((i / k) * n + r) as f32),
+        "all_reduce" => x.a.iter().all(|&e| e == tri),
+        "reduce" => r != 0 || x.a.iter().all(|&e| e == tri),
+        "reduce_scatter" => x.b[..k].iter().all(|&e| e == tri),
+        "broadcast" => x.a.iter().enumerate().all(|(i, &e)| e == pat(i)),
+        "all_gather" => (0..n * k).all(|i| x.b[i] == v(i / k)),
+        "gather" => r != 0 || (0..n * k).all(|i| x.b[i] == v(i / k)),
+        "scatter" => x.b[..k].iter().all(|&e| e == v(r)),
+        "all_to_all" => (0..n * k).all(|i| x.b[i] == v((i / k) * n + r)),
         _ => true,
     };
     if !ok {
@@ -109,14 +161,34 @@ fn verify(g: &ProcessGroup, op: &str, x: &mut Bufs) -> Result<()> {
     Ok(())
 }
 
-/// Benchmarks `op` at `size` bytes. Returns the record on rank 0.
+/// Benchmarks `op` on `dtype` elements (one of [`DTYPES`]) at `size` bytes. Returns the
+/// record on rank 0.
 pub fn run_op(
+    g: &ProcessGroup,
+    op: &'static str,
+    dtype: &str,
+    size: usize,
+    check: bool,
+) -> Result<Option<Record>> {
+    match dtype {
+        "f64" => run_typed::<f64>(g, op, size, check),
+        "f16" => run_typed::<half::f16>(g, op, size, check),
+        "bf16" => run_typed::<half::bf16>(g, op, size, check),
+        "i32" => run_typed::<i32>(g, op, size, check),
+        "i64" => run_typed::<i64>(g, op, size, check),
+        "i8" => run_typed::<i8>(g, op, size, check),
+        "u8" => run_typed::<u8>(g, op, size, check),
+        _ => run_typed::<f32>(g, op, size, check),
+    }
+}
+
+fn run_typed<T: Val>(
     g: &ProcessGroup,
     op: &'static str,
     size: usize,
     check: bool,
 ) -> Result<Option<Record>> {
-    let mut x = bufs(op, g.size(), size);
+    let mut x = bufs::<T>(op, g.size(), size);
     if check {
         verify(g, op, &mut x)?;
     }
@@ -136,8 +208,9 @@ pub fn run_op(
     g.all_reduce(&mut secs, ReduceOp::Max)?;
     let bytes = match op {
         "barrier" => 0,
-        _ => x.a.len() * 4,
+        _ => size_of_val(x.a.as_slice()),
     };
-    let rec = record(g, op, bytes, iters, secs[0], bus_factor(op, g.size()));
+    let mut rec = record(g, op, bytes, iters, secs[0], bus_factor(op, g.size()));
+    rec.dtype = T::DTYPE.name();
     Ok((g.rank() == 0).then_some(rec))
 }

@@ -82,6 +82,29 @@ fn bare_bench_starts_its_own_ranks() {
 }
 
 #[test]
+fn bench_collectives_on_every_element_type() {
+    // Each run verifies every collective against its reference before timing it.
+    for dtype in ["bf16", "f16", "i8", "u8", "i64", "f64"] {
+        let stdout = run_ok(&["bench", "all", "--sizes", "1K", "-n", "3", "--dtype", dtype]);
+        for op in ["all_reduce", "reduce_scatter", "broadcast", "all_to_all"] {
+            let line = stdout
+                .lines()
+                .find(|l| l.contains(&format!(" {op} ")))
+                .unwrap_or_else(|| panic!("no {op} line for {dtype}: {stdout}"));
+            assert!(line.contains(dtype) && line.ends_with("ok"), "{line}");
+        }
+        assert!(!stdout.contains("onebit"), "1-bit is f32 only: {stdout}");
+    }
+    let out = distcomm()
+        .args(["bench", "onebit_all_reduce", "--quick", "--dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("f32 only"), "{stderr}");
+}
+
+#[test]
 fn launch_names_the_failing_rank() {
     let out = distcomm()
         .args([

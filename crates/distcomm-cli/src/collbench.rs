@@ -10,8 +10,9 @@ use crate::bench::{record, Record};
 /// The element types `--dtype` accepts.
 pub const DTYPES: &[&str] = &["f32", "f64", "f16", "bf16", "i32", "i64", "i8", "u8"];
 
-/// An element type the benchmark can fill with small whole numbers and check exactly (every
-/// value the checks use, at most 2 × 101 and n², is exact in each of them).
+/// An element type the benchmark can fill with whole numbers and check exactly: the values
+/// the checks use (at most n² and n(n+1)/2) are exact in the float types, and integers wrap
+/// here as their sums wrap in the reduction.
 trait Val: Reducible + PartialEq {
     fn of(x: f64) -> Self;
     fn to_f64(self) -> f64;
@@ -29,7 +30,7 @@ macro_rules! val {
     ($($t:ty),*; $($h:ty),*) => {
         $(impl Val for $t {
             fn of(x: f64) -> Self {
-                x as $t
+                x as i64 as $t
             }
             fn to_f64(self) -> f64 {
                 self as f64

@@ -218,8 +218,22 @@ struct PendingSend {
     /// Its address went to the receiver (Rget), which may be copying from it: the buffer must
     /// outlive the receiver's answer (or death), even if the operation fails here first.
     lent: bool,
-    /// An eager collective message ([`EAGER_NO_ACK`]): complete once written.
-    no_ack: bool,
+}
+
+impl PendingSend {
+    /// Whether an eager send of it waits for the receiver's Ack: point-to-point sends do;
+    /// collectives' are done once written ([`EAGER_NO_ACK`]).
+    fn waits_for_ack(&self) -> bool {
+        self.fp.kind == 0
+    }
+
+    fn status(&self, peer: usize) -> Status {
+        Status {
+            peer,
+            tag: self.tag,
+            bytes: self.len,
+        }
+    }
 }
 
 struct Out {
@@ -979,11 +993,7 @@ impl State {
                     return self.protocol(format!("reply for unknown message {}", h.msg_id));
                 };
                 let result = if h.kind == Kind::Ack {
-                    Ok(Status {
-                        peer: p,
-                        tag: s.tag,
-                        bytes: s.len,
-                    })
+                    Ok(s.status(p))
                 } else if h.aux == NackReason::Cancelled as u32 {
                     Err(Error::Aborted {
                         op: s.op,
@@ -1288,17 +1298,8 @@ impl State {
         let Some(id) = o.send_id else { return };
         match o.kind {
             Kind::Eager => match self.sends.get_mut(&id) {
-                Some(s) if s.no_ack => {
-                    if let Some(s) = self.sends.remove(&id) {
-                        let status = Status {
-                            peer: p,
-                            tag: s.tag,
-                            bytes: s.len,
-                        };
-                        s.cell.complete(Ok(status), o.payload);
-                    }
-                }
-                Some(s) => s.buf = o.payload,
+                Some(s) if s.waits_for_ack() => s.buf = o.payload,
+                Some(_) => self.send_done(p, id, o.payload),
                 None => {}
             },
             Kind::Data => {
@@ -1312,16 +1313,16 @@ impl State {
                     }
                     return;
                 }
-                if let Some(s) = self.sends.remove(&id) {
-                    let status = Status {
-                        peer: p,
-                        tag: s.tag,
-                        bytes: s.len,
-                    };
-                    s.cell.complete(Ok(status), o.payload);
-                }
+                self.send_done(p, id, o.payload);
             }
             _ => {}
+        }
+    }
+
+    /// Send `id` to `p` succeeded once written: it gives its buffer back.
+    fn send_done(&mut self, p: usize, id: u64, buf: Option<BoxBuf>) {
+        if let Some(s) = self.sends.remove(&id) {
+            s.cell.complete(Ok(s.status(p)), buf);
         }
     }
 
@@ -1835,7 +1836,6 @@ impl Engine {
             cell: cell.clone(),
             buf: None,
             lent: false,
-            no_ack: false,
         };
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
@@ -1871,9 +1871,11 @@ impl Engine {
         };
         let direct = cma && len > eager;
         let out = if len <= eager {
-            // Collective senders never wait for a small send (see `EAGER_NO_ACK`).
-            pending.no_ack = fp.kind != 0;
-            let aux = if pending.no_ack { EAGER_NO_ACK } else { 0 };
+            let aux = if pending.waits_for_ack() {
+                0
+            } else {
+                EAGER_NO_ACK
+            };
             Out {
                 hdr: Header { aux, ..hdr }.encode(),
                 kind: Kind::Eager,

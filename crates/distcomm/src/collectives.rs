@@ -331,8 +331,8 @@ impl Inner {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
-        // Read once the first round's messages are posted: off the path to the first send.
-        let mut deadline = None;
+        // Fixed once the first round's messages are posted: off the path to the first send.
+        let mut deadline = Deadline::after(self.timeout);
         let fp = call.fingerprint();
         let name = call.kind.name();
         let op = call.op.unwrap_or(ReduceOp::Sum);
@@ -422,8 +422,7 @@ impl Inner {
                 all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
                 all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
                 all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));
-                let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
-                wait_all(&mut all, deadline, self.timeout)?;
+                wait_all(&mut all, deadline.get(), self.timeout)?;
             }
             for (w, range, reduce) in recvs {
                 let data = w.into_buffer()?;

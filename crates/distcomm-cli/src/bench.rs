@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use distcomm::{Error, ProcessGroup, Result};
+use distcomm::{DType, Error, ProcessGroup, Result};
 use serde::Serialize;
 
 #[derive(clap::Args, Clone)]
@@ -103,6 +103,9 @@ pub struct Record {
     pub bytes: usize,
     /// Element type (`u8` for point-to-point).
     pub dtype: &'static str,
+    /// Bytes per element.
+    #[serde(skip)]
+    pub elem: usize,
     pub world: usize,
     pub transport: &'static str,
     pub iters: usize,
@@ -149,12 +152,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             v
         }
     };
-    let f32_only = |s: &&str| *s != "onebit_all_reduce" || args.dtype == "f32";
     let suites: Vec<&'static str> = match args.suite.as_str() {
+        // The 1-bit all_reduce compresses f32 only.
         "all" => SUITES[..SUITES.len() - 2]
             .iter()
             .copied()
-            .filter(f32_only)
+            .filter(|s| *s != "onebit_all_reduce" || args.dtype == "f32")
             .collect(),
         one => SUITES.iter().copied().filter(|s| *s == one).collect(),
     };
@@ -233,16 +236,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     records.push(rec);
                     continue;
                 }
-                let elem = match rec.dtype {
-                    "f64" | "i64" => 8,
-                    "f32" | "i32" => 4,
-                    "f16" | "bf16" => 2,
-                    _ => 1,
-                };
                 say(format!(
                     "  {:>10} {:>10} {:>6} {:>14} {:>11.2} {:>12.3} {:>12.3} {:>6}",
                     rec.bytes,
-                    rec.bytes / elem,
+                    rec.bytes / rec.elem.max(1),
                     rec.dtype,
                     rec.op,
                     rec.time_us,
@@ -315,6 +312,7 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 pub fn record(
     g: &ProcessGroup,
     op: &'static str,
+    dtype: DType,
     bytes: usize,
     iters: usize,
     secs: f64,
@@ -328,11 +326,8 @@ pub fn record(
     Record {
         op,
         bytes,
-        dtype: if op == "pingpong" || op == "stream" {
-            "u8"
-        } else {
-            "f32"
-        },
+        dtype: dtype.name(),
+        elem: dtype.size(),
         world: g.size(),
         transport: g.transport(),
         iters,
@@ -388,7 +383,10 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         samples.push(t.elapsed().as_secs_f64() / 2.0);
     }
     checked(buf, rbuf, size as u64 + 1)?;
-    Ok((g.rank() == 0).then(|| record(g, "pingpong", size, iters, median(samples), 1.0)))
+    Ok(
+        (g.rank() == 0)
+            .then(|| record(g, "pingpong", DType::U8, size, iters, median(samples), 1.0)),
+    )
 }
 
 fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<Option<Record>> {
@@ -436,5 +434,15 @@ fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<O
             samples.push(t.elapsed().as_secs_f64() / window as f64);
         }
     }
-    Ok((g.rank() == 0).then(|| record(g, "stream", size, iters * window, median(samples), 1.0)))
+    Ok((g.rank() == 0).then(|| {
+        record(
+            g,
+            "stream",
+            DType::U8,
+            size,
+            iters * window,
+            median(samples),
+            1.0,
+        )
+    }))
 }

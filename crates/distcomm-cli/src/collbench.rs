@@ -211,7 +211,14 @@ fn run_typed<T: Val>(
         "barrier" => 0,
         _ => size_of_val(x.a.as_slice()),
     };
-    let mut rec = record(g, op, bytes, iters, secs[0], bus_factor(op, g.size()));
-    rec.dtype = T::DTYPE.name();
+    let rec = record(
+        g,
+        op,
+        T::DTYPE,
+        bytes,
+        iters,
+        secs[0],
+        bus_factor(op, g.size()),
+    );
     Ok((g.rank() == 0).then_some(rec))
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use distcomm::device::{Device, Emulated, Host};
-use distcomm::{CopyStats, Error, ProcessGroup, ReduceOp, Result};
+use distcomm::{CopyStats, DType, Error, ProcessGroup, ReduceOp, Result};
 
 use crate::bench::{median, record, Record, Staging};
 
@@ -74,12 +74,20 @@ fn run_on<D: Device>(g: &ProcessGroup, dev: &Arc<D>, size: usize) -> Result<Vec<
         let send = op == "staged_isend";
         let host = point_to_point::<D>(g, iters, size, send, None)?.0;
         let staged = point_to_point(g, iters, size, send, Some(dev))?;
-        recs.push(finish(g, op, (size, iters), name, staged, host, copy));
+        recs.push(finish(
+            g,
+            (op, DType::U8),
+            (size, iters),
+            name,
+            staged,
+            host,
+            copy,
+        ));
     }
     if size % 4 == 0 {
         let host = all_reduce::<D>(g, iters, size, None)?.0;
         let staged = all_reduce(g, iters, size, Some(dev))?;
-        let op = "staged_all_reduce";
+        let op = ("staged_all_reduce", DType::F32);
         recs.push(finish(g, op, (size, iters), name, staged, host, up + down));
     }
     Ok(if g.rank() == 0 { recs } else { Vec::new() })
@@ -89,14 +97,14 @@ fn run_on<D: Device>(g: &ProcessGroup, dev: &Arc<D>, size: usize) -> Result<Vec<
 /// seconds and the seconds of the copies it must make.
 fn finish(
     g: &ProcessGroup,
-    op: &'static str,
+    (op, dtype): (&'static str, DType),
     (size, iters): (usize, usize),
     device: &'static str,
     (staged, stats): (f64, CopyStats),
     host: f64,
     copy: f64,
 ) -> Record {
-    let mut rec = record(g, op, size, iters, staged, 1.0);
+    let mut rec = record(g, op, dtype, size, iters, staged, 1.0);
     rec.staging = Some(Staging {
         device,
         copies_per_op: stats.copies,

@@ -338,8 +338,20 @@ pub fn record(
     }
 }
 
-/// One round trip 0 -> 1 -> 0 with owned buffers (no copies in distcomm).
+/// One round trip 0 -> 1 -> 0: small messages with the blocking calls on slices (what
+/// `MPI_Send`/`MPI_Recv` are), larger ones with owned buffers (no copies in distcomm).
 fn round_trip(g: &ProcessGroup, buf: Vec<u8>, rbuf: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>)> {
+    let mut rbuf = rbuf;
+    if buf.len() <= BLOCKING_MAX {
+        if g.rank() == 0 {
+            g.send(&buf, 1, 0)?;
+            g.recv(&mut rbuf, 1, 1)?;
+        } else {
+            g.recv(&mut rbuf, 0, 0)?;
+            g.send(&rbuf, 0, 1)?;
+        }
+        return Ok((buf, rbuf));
+    }
     if g.rank() == 0 {
         let r = g.irecv(rbuf, 1, 1)?;
         let s = g.isend(buf, 1, 0)?;
@@ -352,6 +364,11 @@ fn round_trip(g: &ProcessGroup, buf: Vec<u8>, rbuf: Vec<u8>) -> Result<(Vec<u8>,
         Ok((buf, got))
     }
 }
+
+/// Largest ping-pong message timed with the blocking calls: those that fit a shared-memory lane
+/// slot, where the blocking calls take their fast path. Above it owned buffers win (1 KiB over
+/// shared memory: 1.21 µs against 1.35 µs, whose copies in and out of the slices cost more).
+const BLOCKING_MAX: usize = distcomm::transport::frame::LANE_MAX;
 
 fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>> {
     if g.rank() > 1 {

@@ -10,8 +10,8 @@ use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::intranode::{self, Arena, ArenaConfig};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::transport::frame::Fingerprint;
-use crate::transport::tcp::{Engine, EngineConfig, Envelope};
+use crate::transport::frame::{Fingerprint, LANE_MAX};
+use crate::transport::tcp::{Engine, EngineConfig, Envelope, Fast};
 use crate::transport::{
     advertise_ip, connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING,
 };
@@ -550,6 +550,55 @@ impl Inner {
         )
     }
 
+    /// A blocking send to group rank `dst` on the shared-memory lane's fast path
+    /// ([`Engine::send_small`]); `None` when it does not apply (then nothing was sent).
+    pub(crate) fn send_small(
+        &self,
+        env: Envelope,
+        data: &[u8],
+        dst: usize,
+        timeout: Duration,
+    ) -> Option<Result<()>> {
+        if self.mpi.is_some() || data.len() > LANE_MAX {
+            return None;
+        }
+        let g = self.global(env.op, dst).ok()?;
+        let env = Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        };
+        match self.engine.send_small(env, data, g) {
+            Fast::Declined => None,
+            Fast::Done(r) => Some(r.map(|_| ())),
+            Fast::Handed(id, cell) => {
+                let mut w: Work<()> =
+                    Work::new(cell, self.driver(), id, env.op, Some(dst), self.timeout)
+                        .detach_on_drop();
+                Some(w.wait_timeout(timeout).map(|_| ()))
+            }
+        }
+    }
+
+    /// A blocking receive from group rank `src` on the shared-memory lane's fast path
+    /// ([`Engine::recv_small`]); `None` when it does not apply (then nothing was received).
+    pub(crate) fn recv_small(
+        &self,
+        env: Envelope,
+        out: &mut [u8],
+        src: usize,
+    ) -> Option<Result<Status>> {
+        if self.mpi.is_some() {
+            return None;
+        }
+        let g = self.global(env.op, src).ok()?;
+        let env = Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        };
+        let r = self.engine.recv_small(env, out, g)?;
+        Some(r.map(|st| Status { peer: src, ..st }))
+    }
+
     /// Posts a receive from group rank `src` (`None`: any source, world group only).
     pub(crate) fn post_recv<B: 'static>(
         &self,
@@ -875,6 +924,11 @@ impl ProcessGroup {
         tag: u32,
         timeout: Duration,
     ) -> Result<()> {
+        self.check_tag("send", tag)?;
+        let env = user("send", T::DTYPE, tag);
+        if let Some(r) = self.inner.send_small(env, bytemuck::cast_slice(data), dst, timeout) {
+            return r;
+        }
         let mut w: Work<Vec<T>> =
             self.user_send("send", Box::new(data.to_vec()), T::DTYPE, dst, tag)?;
         w.wait_timeout(timeout).map(|_| ())
@@ -895,6 +949,14 @@ impl ProcessGroup {
         tag: u32,
         timeout: Duration,
     ) -> Result<Status> {
+        self.check_tag("recv", tag)?;
+        let env = user("recv", T::DTYPE, tag);
+        if let Some(r) = self
+            .inner
+            .recv_small(env, bytemuck::cast_slice_mut(out), src)
+        {
+            return r;
+        }
         let buf = vec![T::zeroed(); out.len()];
         let w = self.user_recv("recv", Box::new(buf), T::DTYPE, Some(src), tag)?;
         finish_recv(w, out, timeout)

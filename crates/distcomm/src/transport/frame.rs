@@ -68,6 +68,34 @@ pub enum Kind {
 /// whose senders never wait for their small sends: a refusal cancels the whole collective).
 pub const EAGER_NO_ACK: u32 = 1;
 
+/// `aux` flag of an Eager header that arrived through a shared-memory *lane* slot (see
+/// [`Header::decode_lane`]; its `msg_id` is the slot's sequence number), and of a Nack frame
+/// refusing such a message (its `msg_id` is that sequence number, its reason the rest of `aux`).
+pub const LANE: u32 = 1 << 8;
+
+/// Bytes of a lane slot's body: a small Eager message in one cache line, after the slot's
+/// 8-byte sequence number.
+///
+/// ```text
+/// offset size field
+///      0    4 ctx
+///      4    4 tag
+///      8    1 len      (payload bytes, at most LANE_MAX)
+///      9    1 dtype
+///     10    1 fp.kind  (0: point-to-point, answered through the lane's ack word)
+///     11    1 fp.op
+///     12    4 fp.root
+///     16    8 fp.count
+///     24      payload
+/// ```
+pub const LANE_BODY: usize = 56;
+const LANE_HEAD: usize = 24;
+/// Largest message a lane slot carries.
+pub const LANE_MAX: usize = LANE_BODY - LANE_HEAD;
+/// Answered lane messages (point-to-point) outstanding per direction at most: each has its own
+/// answer word until it is answered.
+pub const LANE_ACKS: u64 = 32;
+
 /// Why a receiver refused a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -236,6 +264,59 @@ impl Header {
         Ok(h)
     }
 
+    /// Encodes an Eager message of at most [`LANE_MAX`] bytes (`payload`) into a lane slot's
+    /// body. Kind, `aux` and `msg_id` are implied by the lane.
+    pub fn encode_lane(&self, payload: &[u8], body: &mut [u8; LANE_BODY]) {
+        let n = payload.len().min(LANE_MAX);
+        body[0..4].copy_from_slice(&self.ctx.to_le_bytes());
+        body[4..8].copy_from_slice(&self.tag.to_le_bytes());
+        body[8] = n as u8;
+        body[9] = self.dtype as u8;
+        body[10] = self.fp.kind;
+        body[11] = self.fp.op;
+        body[12..16].copy_from_slice(&self.fp.root.to_le_bytes());
+        body[16..24].copy_from_slice(&self.fp.count.to_le_bytes());
+        body[LANE_HEAD..LANE_HEAD + n].copy_from_slice(&payload[..n]);
+    }
+
+    /// Decodes and validates the body of lane slot `seq`: the Eager header it stands for
+    /// ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for collective messages; `msg_id` = `seq`) and
+    /// its payload.
+    pub fn decode_lane(body: &[u8; LANE_BODY], seq: u64) -> Result<(Header, &[u8]), DecodeError> {
+        let u32_at = |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let mut count = [0u8; 8];
+        count.copy_from_slice(&body[16..24]);
+        let len = body[8] as usize;
+        if len > LANE_MAX {
+            return Err(DecodeError(format!("lane message of {len} bytes")));
+        }
+        let dtype = DType::from_wire(body[9])
+            .ok_or_else(|| DecodeError(format!("unknown dtype {}", body[9])))?;
+        if len % dtype.size() != 0 {
+            return Err(DecodeError(format!(
+                "{len} bytes is not a whole number of {dtype} elements"
+            )));
+        }
+        let fp = Fingerprint {
+            kind: body[10],
+            op: body[11],
+            root: u32_at(12),
+            count: u64::from_le_bytes(count),
+        };
+        let aux = LANE | if fp.kind != 0 { EAGER_NO_ACK } else { 0 };
+        let h = Header {
+            kind: Kind::Eager,
+            dtype,
+            ctx: u32_at(0),
+            tag: u32_at(4),
+            aux,
+            msg_id: seq,
+            len: len as u64,
+            fp,
+        };
+        Ok((h, &body[LANE_HEAD..LANE_HEAD + len]))
+    }
+
     /// Bytes of payload that follow this header on the wire.
     pub fn payload_len(&self) -> u64 {
         match self.kind {
@@ -268,6 +349,31 @@ mod tests {
             let fp = Fingerprint { kind: fk, op: fo, root, count };
             let h = Header { kind, dtype, ctx, tag, aux, msg_id: id, len: n * dtype.size() as u64, fp };
             prop_assert_eq!(Header::decode(&h.encode(), u64::MAX).unwrap(), h);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn lane_roundtrip(dt in 0u8..=8, ctx: u32, tag: u32, seq: u64, fk: u8, fo: u8, root: u32, count: u64, data in proptest::collection::vec(any::<u8>(), 0..=LANE_MAX)) {
+            let dtype = DType::from_wire(dt).unwrap();
+            let n = data.len() / dtype.size() * dtype.size();
+            let fp = Fingerprint { kind: fk, op: fo, root, count };
+            let h = Header { kind: Kind::Eager, dtype, ctx, tag, aux: 0, msg_id: 0, len: n as u64, fp };
+            let mut body = [0u8; LANE_BODY];
+            h.encode_lane(&data[..n], &mut body);
+            let (got, payload) = Header::decode_lane(&body, seq).unwrap();
+            let aux = LANE | if fk != 0 { EAGER_NO_ACK } else { 0 };
+            prop_assert_eq!(got, Header { aux, msg_id: seq, ..h });
+            prop_assert_eq!(payload, &data[..n]);
+        }
+
+        #[test]
+        fn lane_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), LANE_BODY), seq: u64) {
+            let mut body = [0u8; LANE_BODY];
+            body.copy_from_slice(&bytes);
+            if let Ok((h, payload)) = Header::decode_lane(&body, seq) {
+                prop_assert!(payload.len() <= LANE_MAX && payload.len() as u64 == h.len);
+            }
         }
     }
 

@@ -17,9 +17,56 @@ pub(crate) mod tcp;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::ShmLink;
 
-/// Stand-in for the shared-memory link where the platform has none.
+#[cfg(target_os = "linux")]
+pub(crate) use shm::ShmWatch;
+
+/// Stand-in for the shared-memory link where the platform has none (it has no values: the
+/// engine's calls on it are never made).
 #[cfg(not(target_os = "linux"))]
 pub(crate) enum ShmLink {}
+
+#[cfg(not(target_os = "linux"))]
+#[allow(clippy::unused_self)]
+impl ShmLink {
+    pub fn watch(&self) -> ShmWatch {
+        match *self {}
+    }
+    pub fn answered(&self, _seq: u64) -> Option<bool> {
+        match *self {}
+    }
+    pub fn next_lane_seq(&self) -> u64 {
+        match *self {}
+    }
+    pub fn lane_send(&self, _body: &[u8; frame::LANE_BODY]) -> std::io::Result<Option<(u64, bool)>> {
+        match *self {}
+    }
+    pub fn lane_take(&self, _body: &mut [u8; frame::LANE_BODY]) -> Option<u64> {
+        match *self {}
+    }
+    pub fn lane_release(&self, _answer: Option<bool>) -> bool {
+        match *self {}
+    }
+    pub fn lane_answer(&self, _seq: u64, _refused: bool) -> bool {
+        match *self {}
+    }
+}
+
+/// Stand-in for [`ShmLink`]'s watcher where the platform has no shared memory.
+#[cfg(not(target_os = "linux"))]
+pub(crate) enum ShmWatch {}
+
+#[cfg(not(target_os = "linux"))]
+impl ShmWatch {
+    pub fn answered(&self, _seq: u64) -> Option<bool> {
+        match *self {}
+    }
+    pub fn incoming(&self) -> bool {
+        match *self {}
+    }
+    pub fn ring_incoming(&self) -> bool {
+        match *self {}
+    }
+}
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};

@@ -39,10 +39,12 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use memmap2::MmapRaw;
 
+use super::frame::{LANE_ACKS, LANE_BODY};
 use super::{ShmConfig, TransportKind};
 use crate::error::{Error, Result};
 
@@ -57,8 +59,21 @@ const OFF_CONSUMER_SLEEPING: usize = 128;
 const OFF_PRODUCER_WAITING: usize = 192;
 const OFF_MAGIC: usize = 256;
 const OFF_CAP: usize = 264;
+/// The small-message lane (see the module documentation): the consumer's count of slots
+/// taken, its answers (one word per outstanding answered message), and the slots.
+const OFF_LANE_HEAD: usize = 320;
+const OFF_ACKS: usize = 512;
+const OFF_SLOTS: usize = 1024;
 const OFF_DATA: usize = 4096;
-const MAGIC: u64 = 0x6469_7374_636f_6d31; // "distcom1"
+/// Lane slots per direction.
+const LANE_SLOTS: u64 = 32;
+/// A slot: its sequence number (written last), then the body.
+const SLOT: usize = 8 + LANE_BODY;
+/// Answer word bit: the message was refused (a Nack frame on the ring says why).
+const ACK_REFUSED: u64 = 1 << 63;
+const MAGIC: u64 = 0x6469_7374_636f_6d32; // "distcom2"
+const _: () = assert!(SLOT == 64 && OFF_ACKS + 8 * LANE_ACKS as usize <= OFF_SLOTS);
+const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_DATA);
 
 /// One mapped ring.
 struct Ring {
@@ -127,6 +142,32 @@ impl Ring {
         }
     }
 
+    /// The sequence word of the lane slot that message `seq` (from 1) occupies.
+    fn slot_seq(&self, seq: u64) -> &AtomicU64 {
+        self.atomic64(Self::slot_off(seq))
+    }
+
+    fn slot_off(seq: u64) -> usize {
+        OFF_SLOTS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * SLOT
+    }
+
+    /// The answer word of lane message `seq`.
+    fn ack_word(&self, seq: u64) -> &AtomicU64 {
+        self.atomic64(OFF_ACKS + ((seq % LANE_ACKS) as usize) * 8)
+    }
+
+    /// The answer to lane message `seq` (of this ring's producer): `Some(true)` accepted,
+    /// `Some(false)` refused, `None` not yet.
+    fn answer_of(&self, seq: u64) -> Option<bool> {
+        let w = self.ack_word(seq).load(Ordering::Acquire);
+        (w & !ACK_REFUSED == seq).then_some(w & ACK_REFUSED == 0)
+    }
+
+    /// Whether the lane holds a message after the `taken` the consumer took.
+    fn lane_ready(&self, taken: u64) -> bool {
+        self.slot_seq(taken + 1).load(Ordering::Acquire) == taken + 1
+    }
+
     /// Copies from the ring at logical position `pos` into `dst` (wrapping).
     fn get(&self, pos: u64, dst: &mut [u8]) {
         let cap = self.cap as usize;
@@ -144,11 +185,16 @@ impl Ring {
 
 /// Both directions of a shared-memory link, plus what a transfer needs about the peer.
 pub(crate) struct ShmLink {
-    tx: Ring,
-    rx: Ring,
+    tx: Arc<Ring>,
+    rx: Arc<Ring>,
     /// The consumer's head of `tx` as last read (it only ever grows): free space known without
     /// touching the consumer's cache line.
     tx_head: Cell<u64>,
+    /// Lane messages written to `tx`, and the consumer's count of those taken as last read.
+    tx_lane: Cell<u64>,
+    tx_lane_head: Cell<u64>,
+    /// Lane messages taken from `rx`.
+    rx_lane: Cell<u64>,
     /// The peer's process id (cross-memory attach, messages).
     pub pid: i32,
     /// Large messages may go by cross-memory attach (both sides allowed it, the kernel has not
@@ -157,9 +203,167 @@ pub(crate) struct ShmLink {
 }
 
 impl ShmLink {
+    fn new(tx: Ring, rx: Ring, pid: i32, cma: bool) -> ShmLink {
+        ShmLink {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            tx_head: Cell::new(0),
+            tx_lane: Cell::new(0),
+            tx_lane_head: Cell::new(0),
+            rx_lane: Cell::new(0),
+            pid,
+            cma,
+        }
+    }
+
+    /// What another thread may watch without the link: answers to our lane messages, and
+    /// whether anything arrived.
+    pub fn watch(&self) -> ShmWatch {
+        ShmWatch {
+            tx: self.tx.clone(),
+            rx: self.rx.clone(),
+        }
+    }
+
+    /// Whether the consumer has read everything we wrote to the ring (a lane message may not
+    /// overtake anything there).
+    fn ring_drained(&self) -> io::Result<bool> {
+        let r = &self.tx;
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        if self.tx_head.get() != tail {
+            let head = r.atomic64(OFF_HEAD).load(Ordering::Acquire);
+            r.filled(head, tail)?;
+            self.tx_head.set(head);
+        }
+        Ok(self.tx_head.get() == tail)
+    }
+
+    /// Lane messages written and not yet taken by the consumer (validated).
+    fn lane_filled(&self, reload: bool) -> io::Result<u64> {
+        if reload {
+            let head = self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire);
+            if self.tx_lane.get().wrapping_sub(head) > LANE_SLOTS {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "shared-memory lane corrupt: {head} of {} messages taken",
+                        self.tx_lane.get()
+                    ),
+                ));
+            }
+            self.tx_lane_head.set(head);
+        }
+        Ok(self.tx_lane.get() - self.tx_lane_head.get())
+    }
+
+    /// Whether the consumer has taken every lane message (nothing on the ring may overtake
+    /// one).
+    fn lane_drained(&self) -> io::Result<bool> {
+        Ok(self.lane_filled(false)? == 0 || self.lane_filled(true)? == 0)
+    }
+
+    /// The answer to our lane message `seq` (see [`ShmWatch::answered`]).
+    pub fn answered(&self, seq: u64) -> Option<bool> {
+        self.tx.answer_of(seq)
+    }
+
+    /// The sequence number the next lane message will get.
+    pub fn next_lane_seq(&self) -> u64 {
+        self.tx_lane.get() + 1
+    }
+
+    /// Writes a small message's body (at most [`LANE_BODY`] bytes) to the lane, if nothing
+    /// written to the ring is still unread and a slot is free. Returns its sequence number and
+    /// whether the consumer is asleep and needs a doorbell; `None` when the lane cannot take it.
+    pub fn lane_send(&self, body: &[u8; LANE_BODY]) -> io::Result<Option<(u64, bool)>> {
+        if !self.ring_drained()?
+            || (self.lane_filled(false)? >= LANE_SLOTS && self.lane_filled(true)? >= LANE_SLOTS)
+        {
+            return Ok(None);
+        }
+        let seq = self.tx_lane.get() + 1;
+        let r = &self.tx;
+        // SAFETY: the slot lies inside the header area of the mapping (checked by the const
+        // assertions); the consumer took its previous message (filled < LANE_SLOTS) and reads
+        // it again only after the sequence word below says it holds message `seq`.
+        unsafe {
+            let at = r.map.as_mut_ptr().add(Ring::slot_off(seq) + 8);
+            std::ptr::copy_nonoverlapping(body.as_ptr(), at, LANE_BODY);
+        }
+        r.slot_seq(seq).store(seq, Ordering::Release);
+        self.tx_lane.set(seq);
+        Ok(Some((seq, self.consumer_asleep())))
+    }
+
+    /// After publishing to the peer (ring bytes, a lane message, an answer): whether it sleeps
+    /// and must be rung (once per sleep).
+    fn consumer_asleep(&self) -> bool {
+        // Pairs with the fence in `prepare_sleep`: either the peer sees what we published, or
+        // we see its flag.
+        fence(Ordering::SeqCst);
+        lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING))
+    }
+
+    /// After taking from the inbound ring or lane: whether the producer waits for room and
+    /// must be rung (once per wait).
+    fn producer_waiting(&self) -> bool {
+        fence(Ordering::SeqCst);
+        lower(self.rx.atomic32(OFF_PRODUCER_WAITING))
+    }
+
+    /// Copies the body of the next lane message into `body`, without releasing its slot yet
+    /// ([`lane_release`](Self::lane_release) does). Returns its sequence number.
+    pub fn lane_take(&self, body: &mut [u8; LANE_BODY]) -> Option<u64> {
+        let seq = self.rx_lane.get() + 1;
+        if !self.rx.lane_ready(seq - 1) {
+            return None;
+        }
+        // SAFETY: the slot lies inside the mapping; the producer wrote it before publishing
+        // sequence number `seq` (acquired above) and does not write it again until we release
+        // it.
+        unsafe {
+            let at = self.rx.map.as_mut_ptr().add(Ring::slot_off(seq) + 8);
+            std::ptr::copy_nonoverlapping(at, body.as_mut_ptr(), LANE_BODY);
+        }
+        self.rx_lane.set(seq);
+        Some(seq)
+    }
+
+    /// Releases the slot of the message just taken, first writing its answer (`Some(refused)`)
+    /// when it has one already. Returns whether the peer sleeps (or waits for room) and needs a
+    /// doorbell.
+    pub fn lane_release(&self, answer: Option<bool>) -> bool {
+        let seq = self.rx_lane.get();
+        if let Some(refused) = answer {
+            self.answer_word(seq, refused);
+        }
+        self.rx.atomic64(OFF_LANE_HEAD).store(seq, Ordering::Release);
+        // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
+        fence(Ordering::SeqCst);
+        let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
+        let asleep = answer.is_some() && lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING));
+        waiting || asleep
+    }
+
+    fn answer_word(&self, seq: u64, refused: bool) {
+        let word = seq | if refused { ACK_REFUSED } else { 0 };
+        self.rx.ack_word(seq).store(word, Ordering::Release);
+    }
+
+    /// Answers lane message `seq` taken earlier: accepted or refused. Returns whether the peer
+    /// sleeps and needs a doorbell.
+    pub fn lane_answer(&self, seq: u64, refused: bool) -> bool {
+        self.answer_word(seq, refused);
+        self.consumer_asleep()
+    }
+
     /// Writes as much of `iov` as fits into the outbound ring. Returns the bytes written and
-    /// whether the consumer is asleep and needs a doorbell.
+    /// whether the consumer is asleep and needs a doorbell. Nothing is written while a lane
+    /// message is still untaken (it must not be overtaken).
     pub fn write(&self, iov: &[IoSlice<'_>]) -> io::Result<(usize, bool)> {
+        if !self.lane_drained()? {
+            return Ok((0, false));
+        }
         let r = &self.tx;
         let tail = r.atomic64(OFF_TAIL).load(Ordering::Relaxed);
         let want: usize = iov.iter().map(|s| s.len()).sum();
@@ -184,12 +388,7 @@ impl ShmLink {
             return Ok((0, false));
         }
         r.atomic64(OFF_TAIL).store(pos, Ordering::Release);
-        // Pairs with the fence in `prepare_sleep`: either the consumer sees our tail, or we see
-        // its flag.
-        fence(Ordering::SeqCst);
-        let sleeping = r.atomic32(OFF_CONSUMER_SLEEPING);
-        let ring = sleeping.load(Ordering::Relaxed) != 0 && sleeping.swap(0, Ordering::AcqRel) != 0;
-        Ok((written, ring))
+        Ok((written, self.consumer_asleep()))
     }
 
     /// Reads up to `dst.len()` bytes from the inbound ring. Returns the bytes read and whether
@@ -208,10 +407,7 @@ impl ShmLink {
         r.get(head, &mut dst[..n]);
         r.atomic64(OFF_HEAD)
             .store(head + n as u64, Ordering::Release);
-        fence(Ordering::SeqCst);
-        let waiting = r.atomic32(OFF_PRODUCER_WAITING);
-        let ring = waiting.load(Ordering::Relaxed) != 0 && waiting.swap(0, Ordering::AcqRel) != 0;
-        Ok((n, ring))
+        Ok((n, self.producer_waiting()))
     }
 
     /// Before sleeping on the doorbell: raises our flags (consumer asleep; producer waiting for
@@ -231,7 +427,11 @@ impl ShmLink {
         let rx_tail = self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire);
         let tx_tail = self.tx.atomic64(OFF_TAIL).load(Ordering::Relaxed);
         let tx_head = self.tx.atomic64(OFF_HEAD).load(Ordering::Acquire);
-        rx_tail != rx_head || (want_room && tx_tail.wrapping_sub(tx_head) < self.tx.cap)
+        let writable = tx_tail.wrapping_sub(tx_head) < self.tx.cap
+            && self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire) == self.tx_lane.get();
+        rx_tail != rx_head
+            || self.rx.lane_ready(self.rx_lane.get())
+            || (want_room && writable)
     }
 
     /// After waking: lowers our flags so the peer stops ringing.
@@ -242,6 +442,40 @@ impl ShmLink {
         self.tx
             .atomic32(OFF_PRODUCER_WAITING)
             .store(0, Ordering::Relaxed);
+    }
+}
+
+/// Clears a raised sleep flag; returns whether it was raised (then the caller rings).
+fn lower(flag: &AtomicU32) -> bool {
+    flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+}
+
+/// The parts of a link a waiting thread watches without holding the link: every access is an
+/// atomic load.
+pub(crate) struct ShmWatch {
+    tx: Arc<Ring>,
+    rx: Arc<Ring>,
+}
+
+impl ShmWatch {
+    /// The answer to our lane message `seq`: `Some(true)` accepted, `Some(false)` refused,
+    /// `None` not yet.
+    pub fn answered(&self, seq: u64) -> Option<bool> {
+        self.tx.answer_of(seq)
+    }
+
+    /// Whether the peer wrote something we have not taken: a lane message, or ring bytes.
+    pub fn incoming(&self) -> bool {
+        // Our own published counts: cache hits while nothing moves.
+        let taken = self.rx.atomic64(OFF_LANE_HEAD).load(Ordering::Relaxed);
+        let head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        self.rx.lane_ready(taken) || self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
+    }
+
+    /// Whether the peer wrote ring bytes we have not read.
+    pub fn ring_incoming(&self) -> bool {
+        let head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
     }
 }
 
@@ -757,13 +991,7 @@ pub(crate) fn setup(
         let ours = std::mem::replace(&mut verdict[peer], Ok(()));
         match (ours, theirs == "ok", tx[peer].take(), rx[peer].take()) {
             (Ok(()), true, Some((_, t)), Some((h, r))) => {
-                links[peer] = Some(ShmLink {
-                    tx: t,
-                    rx: r,
-                    tx_head: Cell::new(0),
-                    pid: h.pid,
-                    cma: cfg.cma && h.cma,
-                })
+                links[peer] = Some(ShmLink::new(t, r, h.pid, cfg.cma && h.cma))
             }
             (ours, _, _, _) if forced[peer] => {
                 cleanup(&tx);
@@ -794,13 +1022,7 @@ mod tests {
         let b = open(&name).unwrap();
         assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
         // A link whose rx is the same segment as its tx: a loop back to ourselves.
-        ShmLink {
-            tx: a,
-            rx: b,
-            tx_head: Cell::new(0),
-            pid: 0,
-            cma: false,
-        }
+        ShmLink::new(a, b, 0, false)
     }
 
     #[test]

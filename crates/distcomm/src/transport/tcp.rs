@@ -44,10 +44,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::frame::{Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, RGET_PAYLOAD};
+use super::frame::{
+    Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, LANE, LANE_ACKS, LANE_BODY,
+    LANE_MAX, RGET_PAYLOAD,
+};
 #[cfg(target_os = "linux")]
 use super::shm;
-use super::ShmLink;
+use super::{ShmLink, ShmWatch};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::{block, BoxBuf, Deadline, Driver, OpCell, Status};
@@ -175,6 +178,9 @@ const ACTIVE_SPIN: Duration = Duration::from_millis(50);
 const SPINNER: u64 = 1;
 const SPINNERS: u64 = 0xffff_ffff;
 const SPIN_ENDED: u64 = 1 << 32;
+/// A blocking send or receive on the shared-memory lane watches its answer or message this
+/// long before it hands over to the engine (and its general wait).
+const FAST_SPIN: Duration = Duration::from_micros(20);
 /// After a waiter stops spinning, the progress thread keeps off the sockets this long.
 const SPIN_GRACE: Duration = Duration::from_millis(2);
 
@@ -194,6 +200,68 @@ impl Posted {
     fn matches(&self, src: usize, h: &Header) -> bool {
         self.ctx == h.ctx && self.tag == h.tag && self.src.is_none_or(|s| s == src)
     }
+
+    /// Whether a message with (`ctx`, `tag`) from `src` could match it.
+    fn could_take(&self, src: usize, ctx: u32, tag: u32) -> bool {
+        self.ctx == ctx && self.tag == tag && self.src.is_none_or(|s| s == src)
+    }
+
+    fn refusal(&self, reason: NackReason) -> Refusal {
+        Refusal {
+            reason,
+            cap: self.buf.bytes().len() as u64,
+            dtype: self.dtype,
+            fp: self.fp,
+        }
+    }
+}
+
+/// Why and by what a receiver refuses a message: what its Nack tells the sender.
+struct Refusal {
+    reason: NackReason,
+    /// The receive's capacity in bytes.
+    cap: u64,
+    dtype: DType,
+    fp: Fingerprint,
+}
+
+/// A lane message (point-to-point) whose sender waits for the receiver's answer word.
+enum LaneWait {
+    /// A send in `State::sends`, completed by the engine when the answer comes.
+    Op { seq: u64, id: u64 },
+    /// A blocking send whose caller watches the answer word itself; a refusal the engine reads
+    /// first (the Nack frame) is kept for it. Once accepted the entry is free for reuse.
+    Caller { seq: u64, nack: Option<Header> },
+}
+
+/// Who waits for the answer to a lane message.
+#[derive(Clone, Copy)]
+enum Owner {
+    /// Nobody (collective messages: complete once written).
+    Nobody,
+    /// Send `id` in `State::sends`.
+    Op(u64),
+    /// The calling thread ([`LaneWait::Caller`]).
+    Caller,
+}
+
+/// The outcome of an operation offered to the fast path.
+pub(crate) enum Fast {
+    /// Finished (successfully or not) on the fast path.
+    Done(Result<Status>),
+    /// Handed over to the engine: wait for it like any operation.
+    Handed(u64, Arc<OpCell>),
+    /// The fast path did not apply; nothing happened.
+    Declined,
+}
+
+/// What a receive offered to the lane found.
+enum LaneRecv {
+    Got(Result<Status>),
+    /// Nothing for it yet.
+    Empty,
+    /// It must take the general path.
+    Declined,
 }
 
 struct Unexpected {
@@ -314,6 +382,12 @@ impl Link {
         }
     }
 
+    /// Rings the shared-memory peer's doorbell (it sleeps and we published something).
+    fn ring(&self) {
+        #[cfg(target_os = "linux")]
+        shm::ring_doorbell(&self.stream);
+    }
+
     /// The peer's process id where a direct (cross-memory) copy from it is allowed.
     fn cma_pid(&self) -> Option<i32> {
         #[cfg(target_os = "linux")]
@@ -342,6 +416,10 @@ struct Peer {
     dead: Option<String>,
     /// [`DATA_CHUNK`] or [`LOCAL_DATA_CHUNK`].
     chunk: usize,
+    /// Shared-memory peers: our lane messages waiting for an answer, by sequence number modulo
+    /// [`LANE_ACKS`] (empty for TCP peers), and how many of them are [`LaneWait::Op`].
+    lane_waits: Vec<Option<LaneWait>>,
+    lane_ops: usize,
 }
 
 enum Fill {
@@ -554,42 +632,59 @@ impl State {
         src: usize,
         h: &Header,
     ) -> std::result::Result<(), (Error, NackReason)> {
-        let mut cap = r.buf.bytes().len() as u64;
+        let cap = r.buf.bytes().len() as u64;
+        // A buffer sized by what arrives (pipeline tensors, byte objects) takes its length now.
+        let fitted = r.fp.kind == 0
+            && h.len != cap
+            && r.fp == h.fp
+            && (r.dtype == DType::Bytes || r.dtype == h.dtype)
+            && usize::try_from(h.len).is_ok_and(|n| r.buf.fit(n));
+        let cap = if fitted { h.len } else { cap };
+        self.check_receive(r.op, r.dtype, r.fp, cap, src, h)
+    }
+
+    /// Checks a receive (`op` of `cap` bytes of `dtype`, collective call `fp`) against a
+    /// message header: the refusal's error here and the reason the sender is told.
+    fn check_receive(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        fp: Fingerprint,
+        cap: u64,
+        src: usize,
+        h: &Header,
+    ) -> std::result::Result<(), (Error, NackReason)> {
         // Collective messages must fit their receive exactly: both sides run the same schedule.
-        if r.fp != h.fp || (r.fp.kind != 0 && (h.len != cap || h.dtype != r.dtype)) {
+        if fp != h.fp || (fp.kind != 0 && (h.len != cap || h.dtype != dtype)) {
             return Err((
                 Error::Desync {
-                    op: r.op,
+                    op,
                     rank: self.rank,
                     peer: src,
-                    ours: format!("{} (expecting {cap} bytes)", r.fp.describe(r.dtype)),
+                    ours: format!("{} (expecting {cap} bytes)", fp.describe(dtype)),
                     theirs: format!("{} (sending {} bytes)", h.fp.describe(h.dtype), h.len),
                 },
                 NackReason::Desync,
             ));
         }
-        if r.dtype != DType::Bytes && r.dtype != h.dtype {
+        if dtype != DType::Bytes && dtype != h.dtype {
             return Err((
                 Error::DTypeMismatch {
-                    op: r.op,
+                    op,
                     rank: self.rank,
                     src,
                     dst: self.rank,
                     tag: h.tag,
                     sent: h.dtype,
-                    expected: r.dtype,
+                    expected: dtype,
                 },
                 NackReason::DType,
             ));
         }
-        // A buffer sized by what arrives (pipeline tensors, byte objects) takes its length now.
-        if r.fp.kind == 0 && h.len != cap && usize::try_from(h.len).is_ok_and(|n| r.buf.fit(n)) {
-            cap = h.len;
-        }
         if h.len > cap {
             return Err((
                 Error::MessageTooLarge {
-                    op: r.op,
+                    op,
                     rank: self.rank,
                     src,
                     dst: self.rank,
@@ -604,21 +699,41 @@ impl State {
     }
 
     /// Answers the sender of an eager message or Rts: Ack/Cts on success, Nack on refusal.
-    /// Self-sends are answered in place.
-    fn answer(&mut self, src: usize, h: &Header, refusal: Option<(NackReason, &Posted)>) {
+    /// Self-sends are answered in place. A lane message is answered in its answer word (when
+    /// its sender waits for one), a refusal also with a Nack frame that says why.
+    fn answer(&mut self, src: usize, h: &Header, refusal: Option<Refusal>) {
+        if h.aux & LANE != 0 {
+            if h.aux & EAGER_NO_ACK == 0 {
+                self.lane_answer(src, h.msg_id, refusal.is_some());
+            }
+            if refusal.is_none() {
+                return;
+            }
+        }
         let (kind, aux, len, dtype, fp) = match refusal {
             None if h.kind == Kind::Eager && h.aux & EAGER_NO_ACK != 0 => return,
             None if h.kind == Kind::Rts => (Kind::Cts, 0, 0, h.dtype, Fingerprint::NONE),
             None => (Kind::Ack, 0, 0, h.dtype, Fingerprint::NONE),
-            Some((reason, r)) => (
+            Some(r) => (
                 Kind::Nack,
-                reason as u32,
-                r.buf.bytes().len() as u64,
+                r.reason as u32 | (h.aux & LANE),
+                r.cap,
                 r.dtype,
                 r.fp,
             ),
         };
         self.reply(src, control(kind, h.msg_id, aux, len, dtype, fp));
+    }
+
+    /// Writes the answer word of lane message `seq` from `p`, ringing `p` if it sleeps.
+    fn lane_answer(&mut self, p: usize, seq: u64, refused: bool) {
+        if let Some(Some(peer)) = self.peers.get(p) {
+            if let Some(link) = &peer.link.shm {
+                if link.lane_answer(seq, refused) {
+                    peer.link.ring();
+                }
+            }
+        }
     }
 
     /// Matches a message that arrived whole (an eager payload, or an Rget's buffer address)
@@ -642,7 +757,7 @@ impl State {
         match self.check(&mut r, src, h) {
             Ok(()) => Some((r, data)),
             Err((e, reason)) => {
-                self.answer(src, h, Some((reason, &r)));
+                self.answer(src, h, Some(r.refusal(reason)));
                 r.cell.complete(Err(e), None);
                 None
             }
@@ -846,7 +961,7 @@ impl State {
             return;
         };
         if let Err((e, reason)) = self.check(&mut r, u.src, &u.hdr) {
-            self.answer(u.src, &u.hdr, Some((reason, &r)));
+            self.answer(u.src, &u.hdr, Some(r.refusal(reason)));
             r.cell.complete(Err(e), None);
             return;
         }
@@ -894,7 +1009,7 @@ impl State {
                     Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => Target::Recv(r),
                         Err((e, reason)) => {
-                            self.answer(p, &h, Some((reason, &r)));
+                            self.answer(p, &h, Some(r.refusal(reason)));
                             r.cell.complete(Err(e), None);
                             Target::Discard
                         }
@@ -922,7 +1037,7 @@ impl State {
                             self.rdv.insert((p, h.msg_id), (r, h.len, 0));
                         }
                         Err((e, reason)) => {
-                            self.answer(p, &h, Some((reason, &r)));
+                            self.answer(p, &h, Some(r.refusal(reason)));
                             r.cell.complete(Err(e), None);
                         }
                     },
@@ -982,6 +1097,7 @@ impl State {
                 self.cancel_collective_from(p, &h);
                 Ok(Rx::Header)
             }
+            Kind::Nack if h.aux & LANE != 0 => self.lane_refused(p, h),
             // The refusal of a message sent without waiting for an answer (EAGER_NO_ACK):
             // its collective is cancelled on every rank anyway.
             Kind::Nack if !self.sends.contains_key(&h.msg_id) => Ok(Rx::Header),
@@ -1036,11 +1152,273 @@ impl State {
         }
     }
 
+    /// Sends a small message through the lane of shared-memory peer `p` if the ordering rules
+    /// allow it now: nothing queued for the ring (the lane itself refuses while ring bytes are
+    /// unread), a free slot, and a free answer word when `owner` waits for the answer. Returns
+    /// its sequence number; `None` leaves the message to the ring.
+    fn lane_send(&mut self, p: usize, h: &Header, data: &[u8], owner: Owner) -> Option<u64> {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return None;
+        };
+        let link = peer.link.shm.as_ref()?;
+        if peer.dead.is_some() || !peer.out.is_empty() || data.len() > LANE_MAX {
+            return None;
+        }
+        let at = (link.next_lane_seq() % LANE_ACKS) as usize;
+        let free = match peer.lane_waits.get(at)? {
+            _ if matches!(owner, Owner::Nobody) => true,
+            None => true,
+            Some(LaneWait::Caller { seq, .. }) => link.answered(*seq) == Some(true),
+            Some(LaneWait::Op { .. }) => false,
+        };
+        if !free {
+            return None;
+        }
+        let mut body = [0u8; LANE_BODY];
+        h.encode_lane(data, &mut body);
+        let (seq, ring) = match link.lane_send(&body) {
+            Ok(sent) => sent?,
+            Err(e) => {
+                self.mark_dead(p, e.to_string());
+                return None;
+            }
+        };
+        if ring {
+            peer.link.ring();
+        }
+        match owner {
+            Owner::Nobody => {}
+            Owner::Op(id) => {
+                peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
+                peer.lane_ops += 1;
+            }
+            Owner::Caller => peer.lane_waits[at] = Some(LaneWait::Caller { seq, nack: None }),
+        }
+        Some(seq)
+    }
+
+    /// Takes the next message of `p`'s lane: its slot is released, the message is copied out.
+    fn lane_take(&mut self, p: usize) -> std::result::Result<Option<(Header, Vec<u8>)>, String> {
+        let Some(Some(peer)) = self.peers.get(p) else {
+            return Ok(None);
+        };
+        let Some(link) = &peer.link.shm else {
+            return Ok(None);
+        };
+        let mut body = [0u8; LANE_BODY];
+        let Some(seq) = link.lane_take(&mut body) else {
+            return Ok(None);
+        };
+        if link.lane_release(None) {
+            peer.link.ring();
+        }
+        let (h, data) = Header::decode_lane(&body, seq)
+            .map_err(|e| format!("protocol violation: {}", e.0))?;
+        Ok(Some((h, data.to_vec())))
+    }
+
+    /// Takes every message waiting in shared-memory peer `p`'s lane, in order. Called before
+    /// reading its ring: a lane message is never behind unread ring bytes (see `shm`).
+    fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut any = false;
+        while let Some((h, data)) = self.lane_take(p)? {
+            any = true;
+            self.lane_arrived(p, h, data);
+        }
+        Ok(any)
+    }
+
+    /// A lane message arrived whole: deliver it like an eager frame's payload.
+    fn lane_arrived(&mut self, p: usize, h: Header, data: Vec<u8>) {
+        if !self.cancelled.is_empty() && self.cancelled.contains_key(&(h.ctx, h.tag)) {
+            self.refuse_cancelled(p, &h);
+        } else {
+            self.deliver_eager(p, h, data);
+        }
+    }
+
+    /// Completes our lane sends to `p` whose answer word says accepted.
+    fn poll_lane_acks(&mut self, p: usize) {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return;
+        };
+        let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
+            return;
+        };
+        let mut done = Vec::new();
+        for w in peer.lane_waits.iter_mut() {
+            if let Some(LaneWait::Op { seq, id }) = *w {
+                if link.answered(seq) == Some(true) {
+                    *w = None;
+                    done.push(id);
+                }
+            }
+        }
+        peer.lane_ops -= done.len();
+        for id in done {
+            if let Some(s) = self.sends.remove(&id) {
+                s.cell.complete(Ok(s.status(p)), s.buf);
+            }
+        }
+    }
+
+    /// `p` refused our lane message `h.msg_id` (a sequence number): fail the send waiting for
+    /// it, or keep the refusal for the blocking caller that watches it.
+    fn lane_refused(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return Ok(Rx::Header);
+        };
+        let h = Header {
+            aux: h.aux & !LANE,
+            ..h
+        };
+        let Some(w) = peer.lane_waits.get_mut((h.msg_id % LANE_ACKS) as usize) else {
+            return Ok(Rx::Header);
+        };
+        match w {
+            Some(LaneWait::Op { seq, id }) if *seq == h.msg_id => {
+                let id = *id;
+                *w = None;
+                peer.lane_ops -= 1;
+                self.on_header(p, Header { msg_id: id, ..h })
+            }
+            Some(LaneWait::Caller { seq, nack }) if *seq == h.msg_id => {
+                *nack = Some(h);
+                Ok(Rx::Header)
+            }
+            // A message nobody waits an answer for (a collective's).
+            _ => Ok(Rx::Header),
+        }
+    }
+
+    /// A blocking receive (`env`, into `out`) from shared-memory peer `p`, taken straight from
+    /// its lane if nothing can come before it: no earlier receive of this (source, tag) is
+    /// posted, none of its messages is queued, `p`'s ring holds no half-read frame. Messages of
+    /// other tags that come first are delivered as usual.
+    fn recv_from_lane(&mut self, p: usize, env: &Envelope, out: &mut [u8]) -> LaneRecv {
+        let idle = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none()
+            && peer.link.shm.is_some()
+            && matches!(peer.rx, Rx::Header)
+            && peer.rx_start == peer.rx_end);
+        let (ctx, tag) = (env.ctx, env.tag);
+        if !idle
+            || self.closed.is_some()
+            || self.posted.iter().any(|r| r.could_take(p, ctx, tag))
+            || self
+                .unexpected
+                .iter()
+                .any(|u| u.src == p && u.hdr.ctx == ctx && u.hdr.tag == tag)
+        {
+            return LaneRecv::Declined;
+        }
+        loop {
+            let (h, data) = match self.lane_take(p) {
+                Ok(Some(m)) => m,
+                Ok(None) => return LaneRecv::Empty,
+                Err(reason) => {
+                    self.mark_dead(p, reason);
+                    return LaneRecv::Declined;
+                }
+            };
+            if (h.ctx, h.tag) != (ctx, tag) {
+                self.lane_arrived(p, h, data);
+                continue;
+            }
+            let cap = out.len() as u64;
+            return LaneRecv::Got(
+                match self.check_receive(env.op, env.dtype, env.fp, cap, p, &h) {
+                    Ok(()) => {
+                        out[..data.len()].copy_from_slice(&data);
+                        self.answer(p, &h, None);
+                        Ok(Status {
+                            peer: p,
+                            tag,
+                            bytes: data.len(),
+                        })
+                    }
+                    Err((e, reason)) => {
+                        let refusal = Refusal {
+                            reason,
+                            cap,
+                            dtype: env.dtype,
+                            fp: env.fp,
+                        };
+                        self.answer(p, &h, Some(refusal));
+                        Err(e)
+                    }
+                },
+            );
+        }
+    }
+
+    /// The caller of a blocking lane send (`seq` to `p`) stops watching its answer word: the
+    /// outcome if it is known, otherwise a send the engine completes when the answer comes.
+    fn adopt_lane_send(&mut self, p: usize, seq: u64, env: &Envelope, len: usize) -> Fast {
+        let rank = self.rank;
+        let status = Status {
+            peer: p,
+            tag: env.tag,
+            bytes: len,
+        };
+        let at = (seq % LANE_ACKS) as usize;
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return Fast::Done(Ok(status));
+        };
+        let nack = match peer.lane_waits.get(at) {
+            Some(Some(LaneWait::Caller { seq: s, nack })) if *s == seq => *nack,
+            // Its word was reused: that needs the answer "accepted".
+            _ => return Fast::Done(Ok(status)),
+        };
+        let accepted = peer.link.shm.as_ref().and_then(|l| l.answered(seq)) == Some(true);
+        if accepted || nack.is_some() {
+            peer.lane_waits[at] = None;
+        }
+        if accepted {
+            return Fast::Done(Ok(status));
+        }
+        let id = self.alloc_id();
+        let cell = Arc::new(OpCell::default());
+        let pending = PendingSend {
+            op: env.op,
+            dtype: env.dtype,
+            fp: env.fp,
+            dst: p,
+            ctx: env.ctx,
+            tag: env.tag,
+            len,
+            cell: cell.clone(),
+            buf: None,
+            lent: false,
+        };
+        if let Some(h) = nack {
+            self.sends.insert(id, pending);
+            let _ = self.on_header(p, Header { msg_id: id, ..h });
+            return Fast::Handed(id, cell);
+        }
+        if let Some(reason) = self.dead_reason(p) {
+            return Fast::Done(Err(peer_lost(env.op, rank, p, &reason)));
+        }
+        if let Some(reason) = self.closed.clone() {
+            let op = env.op;
+            return Fast::Done(Err(Error::Aborted { op, rank, reason }));
+        }
+        if let Some(Some(peer)) = self.peers.get_mut(p) {
+            peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
+            peer.lane_ops += 1;
+        }
+        self.sends.insert(id, pending);
+        Fast::Handed(id, cell)
+    }
+
     /// Refuses a message of a cancelled collective, so that its sender's operation ends.
     fn refuse_cancelled(&mut self, src: usize, h: &Header) {
-        let reason = NackReason::Cancelled as u32;
-        let nack = control(Kind::Nack, h.msg_id, reason, 0, h.dtype, Fingerprint::NONE);
-        self.reply(src, nack);
+        let refusal = Refusal {
+            reason: NackReason::Cancelled,
+            cap: 0,
+            dtype: h.dtype,
+            fp: Fingerprint::NONE,
+        };
+        self.answer(src, h, Some(refusal));
     }
 
     /// A peer reports that collective (`h.ctx`, `h.tag`) failed there: fail our operations of it
@@ -1536,6 +1914,10 @@ impl State {
         for peer in self.peers.iter().flatten().filter(|p| p.dead.is_none()) {
             if let Some(l) = &peer.link.shm {
                 busy |= l.prepare_sleep(!peer.out.is_empty());
+                // An answer to a lane send came (the peer rings only after the flag is up).
+                busy |= peer.lane_waits.iter().flatten().any(|w| {
+                    matches!(w, LaneWait::Op { seq, .. } if l.answered(*seq).is_some())
+                });
             }
         }
         busy
@@ -1557,7 +1939,9 @@ impl State {
         if !live {
             return false;
         }
+        self.poll_lane_acks(p);
         let r = (if write { self.pump_tx(p) } else { Ok(false) })
+            .and_then(|a| Ok(a | (read && self.pump_lane(p)?)))
             .and_then(|a| Ok(a | (read && self.pump_rx(p)?)))
             .and_then(|a| Ok(a | (flush_replies && self.pump_tx(p)?)));
         r.unwrap_or_else(|reason| {
@@ -1633,6 +2017,8 @@ fn complete_recv(r: Posted, src: usize, h: &Header) {
 struct Shared {
     rank: usize,
     st: Mutex<State>,
+    /// Per peer, what a waiter watches of its shared-memory link without the lock.
+    watch: Vec<Option<ShmWatch>>,
     wake_tx: UnixStream,
     wake_rx: UnixStream,
     /// Waiters spinning now, and spins ended so far (see [`SPINNER`]).
@@ -1725,11 +2111,15 @@ impl Engine {
         cfg: EngineConfig,
     ) -> Result<Arc<Engine>> {
         let mut peers = Vec::with_capacity(streams.len());
+        let mut watch = Vec::with_capacity(streams.len());
         let mut links = links.into_iter();
         for s in streams {
             let shm = links.next().flatten();
             peers.push(match s {
-                None => None,
+                None => {
+                    watch.push(None);
+                    None
+                }
                 Some(stream) => {
                     stream
                         .set_nonblocking(true)
@@ -1737,7 +2127,9 @@ impl Engine {
                     stream
                         .set_nodelay(true)
                         .map_err(|e| Error::io("set TCP_NODELAY", e))?;
-                    let local = same_host(&stream) || shm.is_some();
+                    let shm_peer = shm.is_some();
+                    watch.push(shm.as_ref().map(ShmLink::watch));
+                    let local = same_host(&stream) || shm_peer;
                     let sockbuf = cfg.sockbuf.unwrap_or(if local { LOCAL_SOCKBUF } else { 0 });
                     if sockbuf > 0 && shm.is_none() {
                         set_buffers(&stream, sockbuf)?;
@@ -1756,6 +2148,10 @@ impl Engine {
                         } else {
                             DATA_CHUNK
                         }),
+                        lane_waits: (0..if shm_peer { LANE_ACKS } else { 0 })
+                            .map(|_| None)
+                            .collect(),
+                        lane_ops: 0,
                     })
                 }
             });
@@ -1782,6 +2178,7 @@ impl Engine {
                 closed: None,
                 cancelled: HashMap::new(),
             }),
+            watch,
             wake_tx,
             wake_rx,
             spinning: AtomicU64::new(0),
@@ -1856,6 +2253,20 @@ impl Engine {
         if let Some(reason) = st.dead_reason(dst) {
             cell.complete(Err(peer_lost(op, self.sh.rank, dst, &reason)), None);
             return (id, cell);
+        }
+        // A small message to a shared-memory peer goes through its lane when it may.
+        if len <= LANE_MAX {
+            let waits = pending.waits_for_ack();
+            let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
+            if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
+                if waits {
+                    pending.buf = Some(buf);
+                    st.sends.insert(id, pending);
+                } else {
+                    cell.complete(Ok(pending.status(dst)), Some(buf));
+                }
+                return (id, cell);
+            }
         }
         // A large message to a shared-memory peer is fetched by the receiver straight from our
         // buffer (never from a view of the caller's memory: the engine cannot stop a copy
@@ -2056,6 +2467,137 @@ impl Engine {
     pub(crate) fn peer_failure(&self, peer: usize) -> Option<String> {
         self.sh.lock().dead_reason(peer)
     }
+
+    /// A blocking send of a small point-to-point message (`data`, at most [`LANE_MAX`] bytes)
+    /// to shared-memory peer `dst` through its lane, the caller watching the answer word itself:
+    /// no handle, no allocation, no acknowledgement frame. Declined (nothing sent) when the
+    /// lane cannot take it now; handed to the engine when the answer is slow to come.
+    pub(crate) fn send_small(&self, env: Envelope, data: &[u8], dst: usize) -> Fast {
+        let Some(Some(watch)) = self.sh.watch.get(dst) else {
+            return Fast::Declined;
+        };
+        if data.len() > LANE_MAX || env.fp.kind != 0 {
+            return Fast::Declined;
+        }
+        let h = Header {
+            kind: Kind::Eager,
+            dtype: env.dtype,
+            ctx: env.ctx,
+            tag: env.tag,
+            aux: 0,
+            msg_id: 0,
+            len: data.len() as u64,
+            fp: env.fp,
+        };
+        let sent = {
+            let mut st = self.sh.lock();
+            if st.closed.is_some() {
+                None
+            } else {
+                st.lane_send(dst, &h, data, Owner::Caller)
+            }
+        };
+        let Some(seq) = sent else {
+            return Fast::Declined;
+        };
+        if self.fast_wait(|| watch.answered(seq).is_some()) && watch.answered(seq) == Some(true) {
+            return Fast::Done(Ok(Status {
+                peer: dst,
+                tag: env.tag,
+                bytes: data.len(),
+            }));
+        }
+        self.sh.lock().adopt_lane_send(dst, seq, &env, data.len())
+    }
+
+    /// A blocking receive of a point-to-point message from shared-memory peer `src` straight
+    /// from its lane into `out`, when nothing can come before it (see
+    /// `State::recv_from_lane`) and it arrives within a short spin. `None`: nothing was
+    /// received; the caller takes the general path.
+    pub(crate) fn recv_small(
+        &self,
+        env: Envelope,
+        out: &mut [u8],
+        src: usize,
+    ) -> Option<Result<Status>> {
+        let Some(Some(watch)) = self.sh.watch.get(src) else {
+            return None;
+        };
+        let mut waited = false;
+        loop {
+            match self.sh.lock().recv_from_lane(src, &env, out) {
+                LaneRecv::Got(r) => return Some(r),
+                LaneRecv::Empty if !waited => {}
+                LaneRecv::Empty | LaneRecv::Declined => return None,
+            }
+            // Ring bytes come first: the engine reads those.
+            if watch.ring_incoming() || !self.fast_wait(|| watch.incoming()) {
+                return None;
+            }
+            waited = true;
+        }
+    }
+
+    /// Spins until `ready()` (yielding the core on every turn when ranks outnumber cores), at
+    /// most [`FAST_SPIN`]; returns whether it became ready. Counts as a spinning waiter, so
+    /// the progress thread keeps off the links meanwhile.
+    fn fast_wait(&self, ready: impl Fn() -> bool) -> bool {
+        if ready() {
+            return true;
+        }
+        if self.sh.spin.is_zero() {
+            return false;
+        }
+        self.spin_begin();
+        let budget = self.sh.spin.min(FAST_SPIN);
+        let mut start = None;
+        let mut turns = 0u32;
+        let ok = loop {
+            if ready() {
+                break true;
+            }
+            turns = turns.wrapping_add(1);
+            if turns % 64 == 0 {
+                let now = Instant::now();
+                if now.duration_since(*start.get_or_insert(now)) >= budget {
+                    break false;
+                }
+            }
+            if self.sh.yield_spin {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        };
+        self.spin_end(ok);
+        ok
+    }
+
+    /// A waiter starts spinning: the progress thread keeps off the links until it ends.
+    fn spin_begin(&self) {
+        self.sh.spinning.fetch_add(SPINNER, Ordering::AcqRel);
+        self.sh.handoff.store(false, Ordering::Release);
+        if self.sh.watching.load(Ordering::Acquire) {
+            // Get the progress thread off the sockets.
+            self.sh.poke();
+        }
+    }
+
+    /// A waiter stops spinning, `done` or about to sleep (then the progress thread must watch
+    /// the links at once).
+    fn spin_end(&self, done: bool) {
+        if !done {
+            self.sh.handoff.store(true, Ordering::Release);
+        }
+        // One step: one spinner fewer, one spin ended (for the progress thread's grace).
+        let before = self
+            .sh
+            .spinning
+            .fetch_add(SPIN_ENDED.wrapping_sub(SPINNER), Ordering::AcqRel);
+        if before & SPINNERS == SPINNER && !done {
+            self.sh.poke();
+        }
+    }
 }
 
 impl Engine {
@@ -2063,12 +2605,7 @@ impl Engine {
     /// is kicked, or the deadline passes. Returns whether it is done.
     fn spin_then_sleep(&self, cell: &OpCell, deadline: &mut Deadline) -> bool {
         if !self.sh.spin.is_zero() {
-            self.sh.spinning.fetch_add(SPINNER, Ordering::AcqRel);
-            self.sh.handoff.store(false, Ordering::Release);
-            if self.sh.watching.load(Ordering::Acquire) {
-                // Get the progress thread off the sockets.
-                self.sh.poke();
-            }
+            self.spin_begin();
             // Spin while things move; sleep after `spin` without any progress.
             // Reading the clock costs as much as a turn of the loop: read it every few turns,
             // and note only whether anything moved in between. A wait that ends within the
@@ -2128,18 +2665,7 @@ impl Engine {
                     std::hint::spin_loop();
                 }
             }
-            let done = cell.is_done();
-            if !done {
-                self.sh.handoff.store(true, Ordering::Release);
-            }
-            // One step: one spinner fewer, one spin ended (for the progress thread's grace).
-            let before = self
-                .sh
-                .spinning
-                .fetch_add(SPIN_ENDED.wrapping_sub(SPINNER), Ordering::AcqRel);
-            if before & SPINNERS == SPINNER && !done {
-                self.sh.poke();
-            }
+            self.spin_end(cell.is_done());
             if cell.is_done() {
                 return true;
             }

@@ -94,7 +94,7 @@ const LANE_HEAD: usize = 24;
 pub const LANE_MAX: usize = LANE_BODY - LANE_HEAD;
 /// Answered lane messages (point-to-point) outstanding per direction at most: each has its own
 /// answer word until it is answered.
-pub const LANE_ACKS: u64 = 32;
+pub const LANE_ACKS: u64 = 16;
 
 /// Why a receiver refused a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -63,7 +63,7 @@ const OFF_CAP: usize = 264;
 /// taken, its answers (one word per outstanding answered message), and the slots.
 const OFF_LANE_HEAD: usize = 320;
 const OFF_ACKS: usize = 512;
-const OFF_SLOTS: usize = 1024;
+const OFF_SLOTS: usize = 2048;
 const OFF_DATA: usize = 4096;
 /// Lane slots per direction.
 const LANE_SLOTS: u64 = 32;
@@ -72,7 +72,10 @@ const SLOT: usize = 8 + LANE_BODY;
 /// Answer word bit: the message was refused (a Nack frame on the ring says why).
 const ACK_REFUSED: u64 = 1 << 63;
 const MAGIC: u64 = 0x6469_7374_636f_6d32; // "distcom2"
-const _: () = assert!(SLOT == 64 && OFF_ACKS + 8 * LANE_ACKS as usize <= OFF_SLOTS);
+/// Each answer word has a cache line of its own: the producer reads the word of an old message
+/// (is it free?) while the consumer writes the newest one.
+const ACK_STRIDE: usize = 64;
+const _: () = assert!(SLOT == 64 && OFF_ACKS + ACK_STRIDE * LANE_ACKS as usize <= OFF_SLOTS);
 const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_DATA);
 
 /// One mapped ring.
@@ -153,7 +156,7 @@ impl Ring {
 
     /// The answer word of lane message `seq`.
     fn ack_word(&self, seq: u64) -> &AtomicU64 {
-        self.atomic64(OFF_ACKS + ((seq % LANE_ACKS) as usize) * 8)
+        self.atomic64(OFF_ACKS + ((seq % LANE_ACKS) as usize) * ACK_STRIDE)
     }
 
     /// The answer to lane message `seq` (of this ring's producer): `Some(true)` accepted,

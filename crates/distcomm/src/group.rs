@@ -926,7 +926,10 @@ impl ProcessGroup {
     ) -> Result<()> {
         self.check_tag("send", tag)?;
         let env = user("send", T::DTYPE, tag);
-        if let Some(r) = self.inner.send_small(env, bytemuck::cast_slice(data), dst, timeout) {
+        if let Some(r) = self
+            .inner
+            .send_small(env, bytemuck::cast_slice(data), dst, timeout)
+        {
             return r;
         }
         let mut w: Work<Vec<T>> =

@@ -283,7 +283,8 @@ impl Header {
     /// ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for collective messages; `msg_id` = `seq`) and
     /// its payload.
     pub fn decode_lane(body: &[u8; LANE_BODY], seq: u64) -> Result<(Header, &[u8]), DecodeError> {
-        let u32_at = |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let u32_at =
+            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
         let mut count = [0u8; 8];
         count.copy_from_slice(&body[16..24]);
         let len = body[8] as usize;
@@ -314,7 +315,13 @@ impl Header {
             len: len as u64,
             fp,
         };
-        Ok((h, &body[LANE_HEAD..LANE_HEAD + len]))
+        Ok((h, Header::lane_payload(body, h.len)))
+    }
+
+    /// The first `len` payload bytes of a lane slot's body (at most [`LANE_MAX`]).
+    pub fn lane_payload(body: &[u8; LANE_BODY], len: u64) -> &[u8] {
+        let n = usize::try_from(len).map_or(LANE_MAX, |n| n.min(LANE_MAX));
+        &body[LANE_HEAD..LANE_HEAD + n]
     }
 
     /// Bytes of payload that follow this header on the wire.

@@ -37,7 +37,10 @@ impl ShmLink {
     pub fn next_lane_seq(&self) -> u64 {
         match *self {}
     }
-    pub fn lane_send(&self, _body: &[u8; frame::LANE_BODY]) -> std::io::Result<Option<(u64, bool)>> {
+    pub fn lane_send(
+        &self,
+        _body: &[u8; frame::LANE_BODY],
+    ) -> std::io::Result<Option<(u64, bool)>> {
         match *self {}
     }
     pub fn lane_take(&self, _body: &mut [u8; frame::LANE_BODY]) -> Option<u64> {

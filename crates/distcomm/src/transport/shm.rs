@@ -340,7 +340,9 @@ impl ShmLink {
         if let Some(refused) = answer {
             self.answer_word(seq, refused);
         }
-        self.rx.atomic64(OFF_LANE_HEAD).store(seq, Ordering::Release);
+        self.rx
+            .atomic64(OFF_LANE_HEAD)
+            .store(seq, Ordering::Release);
         // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
         fence(Ordering::SeqCst);
         let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
@@ -432,9 +434,7 @@ impl ShmLink {
         let tx_head = self.tx.atomic64(OFF_HEAD).load(Ordering::Acquire);
         let writable = tx_tail.wrapping_sub(tx_head) < self.tx.cap
             && self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire) == self.tx_lane.get();
-        rx_tail != rx_head
-            || self.rx.lane_ready(self.rx_lane.get())
-            || (want_room && writable)
+        rx_tail != rx_head || self.rx.lane_ready(self.rx_lane.get()) || (want_room && writable)
     }
 
     /// After waking: lowers our flags so the peer stops ringing.

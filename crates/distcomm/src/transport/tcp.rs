@@ -1197,33 +1197,52 @@ impl State {
         Some(seq)
     }
 
-    /// Takes the next message of `p`'s lane: its slot is released, the message is copied out.
-    fn lane_take(&mut self, p: usize) -> std::result::Result<Option<(Header, Vec<u8>)>, String> {
+    /// Copies the next message of `p`'s lane out (into `body`) and decodes its header. With
+    /// `release` its slot is released at once; otherwise the caller releases it with
+    /// [`State::lane_release`].
+    fn lane_take(
+        &mut self,
+        p: usize,
+        body: &mut [u8; LANE_BODY],
+        release: bool,
+    ) -> std::result::Result<Option<Header>, String> {
         let Some(Some(peer)) = self.peers.get(p) else {
             return Ok(None);
         };
         let Some(link) = &peer.link.shm else {
             return Ok(None);
         };
-        let mut body = [0u8; LANE_BODY];
-        let Some(seq) = link.lane_take(&mut body) else {
+        let Some(seq) = link.lane_take(body) else {
             return Ok(None);
         };
-        if link.lane_release(None) {
-            peer.link.ring();
+        if release {
+            self.lane_release(p, None);
         }
-        let (h, data) = Header::decode_lane(&body, seq)
-            .map_err(|e| format!("protocol violation: {}", e.0))?;
-        Ok(Some((h, data.to_vec())))
+        let (h, _) =
+            Header::decode_lane(body, seq).map_err(|e| format!("protocol violation: {}", e.0))?;
+        Ok(Some(h))
+    }
+
+    /// Releases the slot of the lane message just taken from `p`, with its answer word when
+    /// `accepted` (one fence for both).
+    fn lane_release(&mut self, p: usize, accepted: Option<bool>) {
+        if let Some(Some(peer)) = self.peers.get(p) {
+            if let Some(link) = &peer.link.shm {
+                if link.lane_release(accepted.map(|a| !a)) {
+                    peer.link.ring();
+                }
+            }
+        }
     }
 
     /// Takes every message waiting in shared-memory peer `p`'s lane, in order. Called before
     /// reading its ring: a lane message is never behind unread ring bytes (see `shm`).
     fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
         let mut any = false;
-        while let Some((h, data)) = self.lane_take(p)? {
+        let mut body = [0u8; LANE_BODY];
+        while let Some(h) = self.lane_take(p, &mut body, true)? {
             any = true;
-            self.lane_arrived(p, h, data);
+            self.lane_arrived(p, h, Header::lane_payload(&body, h.len).to_vec());
         }
         Ok(any)
     }
@@ -1311,16 +1330,21 @@ impl State {
         {
             return LaneRecv::Declined;
         }
+        let mut body = [0u8; LANE_BODY];
         loop {
-            let (h, data) = match self.lane_take(p) {
-                Ok(Some(m)) => m,
+            let h = match self.lane_take(p, &mut body, false) {
+                Ok(Some(h)) => h,
                 Ok(None) => return LaneRecv::Empty,
                 Err(reason) => {
+                    self.lane_release(p, None);
                     self.mark_dead(p, reason);
                     return LaneRecv::Declined;
                 }
             };
+            let data = Header::lane_payload(&body, h.len);
             if (h.ctx, h.tag) != (ctx, tag) {
+                let data = data.to_vec();
+                self.lane_release(p, None);
                 self.lane_arrived(p, h, data);
                 continue;
             }
@@ -1328,15 +1352,19 @@ impl State {
             return LaneRecv::Got(
                 match self.check_receive(env.op, env.dtype, env.fp, cap, p, &h) {
                     Ok(()) => {
-                        out[..data.len()].copy_from_slice(&data);
-                        self.answer(p, &h, None);
+                        out[..data.len()].copy_from_slice(data);
+                        let bytes = data.len();
+                        // Accepted: the answer word goes with the slot's release.
+                        let answered = h.aux & EAGER_NO_ACK == 0;
+                        self.lane_release(p, answered.then_some(true));
                         Ok(Status {
                             peer: p,
                             tag,
-                            bytes: data.len(),
+                            bytes,
                         })
                     }
                     Err((e, reason)) => {
+                        self.lane_release(p, None);
                         let refusal = Refusal {
                             reason,
                             cap,
@@ -1915,9 +1943,10 @@ impl State {
             if let Some(l) = &peer.link.shm {
                 busy |= l.prepare_sleep(!peer.out.is_empty());
                 // An answer to a lane send came (the peer rings only after the flag is up).
-                busy |= peer.lane_waits.iter().flatten().any(|w| {
-                    matches!(w, LaneWait::Op { seq, .. } if l.answered(*seq).is_some())
-                });
+                busy |=
+                    peer.lane_waits.iter().flatten().any(
+                        |w| matches!(w, LaneWait::Op { seq, .. } if l.answered(*seq).is_some()),
+                    );
             }
         }
         busy

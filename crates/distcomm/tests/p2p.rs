@@ -568,3 +568,166 @@ fn blocking_calls_take_a_per_call_deadline() {
         }
     });
 }
+
+/// Small messages (which a shared-memory link carries in its lane, one cache line each) and
+/// large ones (its ring), on one tag and through every receive call: each arrives in order.
+#[test]
+fn small_and_large_messages_on_one_tag_keep_their_order() {
+    run(
+        "small_and_large_messages_on_one_tag_keep_their_order",
+        &[2],
+        |g| {
+            let lens = [8usize, 100_000, 8, 1, 32, 4096, 33, 8, 2 << 20, 16, 0, 8];
+            let msg = |i: usize| {
+                let mut v = pattern(i as u64, lens[i]);
+                if let Some(b) = v.first_mut() {
+                    *b = i as u8;
+                }
+                v
+            };
+            for round in 0..3 {
+                if g.rank() == 0 {
+                    // Nonblocking and blocking sends mixed, back to back.
+                    let mut sends = Vec::new();
+                    for i in 0..lens.len() {
+                        if (i + round) % 3 == 0 {
+                            g.send(&msg(i), 1, 7).unwrap();
+                        } else {
+                            sends.push(g.isend(msg(i), 1, 7).unwrap());
+                        }
+                    }
+                    for s in sends {
+                        s.into_buffer().unwrap();
+                    }
+                } else {
+                    if round == 1 {
+                        // Let everything arrive unexpected first.
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    // An early nonblocking receive comes before a later blocking one.
+                    let mut first = g.irecv(vec![0u8; lens[0]], 0, 7).unwrap();
+                    for (i, &len) in lens.iter().enumerate().skip(1) {
+                        let mut out = vec![0u8; len];
+                        let st = g.recv(&mut out, 0, 7).unwrap();
+                        assert_eq!((st.peer, st.bytes), (0, len));
+                        assert!(out == msg(i), "round {round}: message {i} out of order");
+                    }
+                    first.wait().unwrap();
+                    assert_eq!(first.into_buffer().unwrap(), msg(0));
+                }
+            }
+            g.barrier().unwrap();
+        },
+    );
+}
+
+/// More small messages in flight than a shared-memory lane has slots or answer words.
+#[test]
+fn many_small_sends_before_any_receive() {
+    run("many_small_sends_before_any_receive", &[2, 3], |g| {
+        let (next, prev) = ring(g);
+        let sends: Vec<_> = (0..200i32)
+            .map(|i| g.isend(vec![i; 2], next, 4).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(20));
+        for i in 0..200i32 {
+            let mut out = [0i32; 2];
+            g.recv(&mut out, prev, 4).unwrap();
+            assert_eq!(out, [i; 2]);
+        }
+        for (i, s) in sends.into_iter().enumerate() {
+            assert_eq!(s.into_buffer().unwrap(), vec![i as i32; 2]);
+        }
+        g.barrier().unwrap();
+    });
+}
+
+/// The refusals of small messages reach both sides, whichever call sent or received them.
+#[test]
+fn small_message_refusals_fail_both_sides() {
+    run_native("small_message_refusals_fail_both_sides", &[2], |g| {
+        let peer = 1 - g.rank();
+        for nonblocking in [false, true] {
+            let tag = u32::from(nonblocking);
+            if g.rank() == 0 {
+                // Wrong element type.
+                let r = if nonblocking {
+                    g.isend(vec![1f32; 2], peer, tag)
+                        .and_then(|mut w| w.wait().map(|_| ()))
+                } else {
+                    g.send(&[1f32; 2], peer, tag)
+                };
+                match r {
+                    Err(Error::DTypeMismatch { sent, expected, .. }) => {
+                        assert_eq!(
+                            (sent, expected),
+                            (distcomm::DType::F32, distcomm::DType::I32)
+                        )
+                    }
+                    other => panic!("sender of a mistyped message: {other:?}"),
+                }
+                // Too large for the receive.
+                let r = if nonblocking {
+                    g.isend(vec![7u8; 16], peer, tag)
+                        .and_then(|mut w| w.wait().map(|_| ()))
+                } else {
+                    g.send(&[7u8; 16], peer, tag)
+                };
+                match r {
+                    Err(Error::MessageTooLarge { sent, capacity, .. }) => {
+                        assert_eq!((sent, capacity), (16, 8))
+                    }
+                    other => panic!("sender of an oversized message: {other:?}"),
+                }
+            } else {
+                let mut typed = [5i32; 2];
+                let r = if nonblocking {
+                    g.irecv(vec![5i32; 2], peer, tag).and_then(|mut w| w.wait())
+                } else {
+                    g.recv(&mut typed, peer, tag)
+                };
+                assert!(matches!(r, Err(Error::DTypeMismatch { .. })), "{r:?}");
+                assert_eq!(typed, [5; 2], "a refused message writes nothing");
+                let mut small = [9u8; 8];
+                let r = if nonblocking {
+                    g.irecv(vec![9u8; 8], peer, tag).and_then(|mut w| w.wait())
+                } else {
+                    g.recv(&mut small, peer, tag)
+                };
+                match r {
+                    Err(Error::MessageTooLarge { sent, capacity, .. }) => {
+                        assert_eq!((sent, capacity), (16, 8))
+                    }
+                    other => panic!("receiver of an oversized message: {other:?}"),
+                }
+                assert_eq!(small, [9; 8], "a refused message writes nothing");
+            }
+        }
+        // The link carries on.
+        exchange_pair(g);
+    });
+}
+
+/// A blocking send whose receiver comes late, and a blocking receive whose sender comes late,
+/// both complete (past the shared-memory fast path's short spin, through the general wait).
+#[test]
+fn late_partners_of_blocking_calls() {
+    run("late_partners_of_blocking_calls", &[2], |g| {
+        let peer = 1 - g.rank();
+        for late in [0, 1] {
+            if g.rank() == late {
+                std::thread::sleep(Duration::from_millis(30));
+                let mut out = [0i64; 1];
+                g.recv(&mut out, peer, 11).unwrap();
+                assert_eq!(out, [42]);
+                std::thread::sleep(Duration::from_millis(30));
+                g.send(&[43i64], peer, 12).unwrap();
+            } else {
+                g.send(&[42i64], peer, 11).unwrap();
+                let mut out = [0i64; 1];
+                g.recv(&mut out, peer, 12).unwrap();
+                assert_eq!(out, [43]);
+            }
+        }
+    });
+}

@@ -14,6 +14,19 @@
 //! only when the remembered free space is too small, so a small write does not wait for the
 //! cache line the consumer last wrote.
 //!
+//! # The small-message lane
+//! Beside each ring, a *lane* of [`LANE_SLOTS`] one-cache-line slots carries messages of up to
+//! [`LANE_MAX`](super::frame::LANE_MAX) bytes: header and payload in the line, published by a
+//! sequence number written last, so the consumer polls the very line the message arrives in
+//! (a ring message crosses as two lines, the tail and then the frame). A point-to-point
+//! message is answered in an *answer word* (one line each, [`LANE_ACKS`] per direction)
+//! instead of an Ack frame; a refusal sets the word's refused bit and also sends the usual
+//! Nack frame, which says why. Order between lane and ring is kept by two rules: the producer
+//! writes to the lane only when the consumer has read every ring byte, and to the ring only
+//! when the consumer has taken every lane message; so at most one of them holds unread
+//! messages, and the consumer takes the lane before the ring. The engine's blocking send and
+//! receive use the lane without a handle or an allocation (`tcp::Engine::send_small`).
+//!
 //! Large messages skip the ring: the sender announces the address of its buffer (`Rget`) and
 //! the receiver copies it straight into the posted receive with `process_vm_readv(2)` (Linux
 //! cross-memory attach, one copy). Where the kernel refuses (ptrace rules, `EPERM`) the receiver
@@ -1061,6 +1074,109 @@ mod tests {
         let link = pair(4096);
         link.tx.atomic64(OFF_TAIL).store(1 << 40, Ordering::Relaxed);
         assert!(link.read(&mut [0u8; 16]).is_err());
+        assert!(link.write(&[IoSlice::new(b"z")]).is_err());
+    }
+
+    fn body(k: u8) -> [u8; LANE_BODY] {
+        std::array::from_fn(|i| k.wrapping_add(i as u8))
+    }
+
+    #[test]
+    fn lane_keeps_order_and_refuses_when_full() {
+        let link = pair(4096);
+        for k in 0..LANE_SLOTS {
+            let (seq, _) = link.lane_send(&body(k as u8)).unwrap().unwrap();
+            assert_eq!(seq, k + 1);
+        }
+        assert!(
+            link.lane_send(&body(99)).unwrap().is_none(),
+            "every slot is taken"
+        );
+        let mut got = [0u8; LANE_BODY];
+        assert_eq!(link.lane_take(&mut got), Some(1));
+        assert_eq!(got, body(0));
+        assert!(
+            link.lane_send(&body(99)).unwrap().is_none(),
+            "a slot taken but not released is not free"
+        );
+        link.lane_release(None);
+        assert!(link.lane_send(&body(100)).unwrap().is_some());
+        for k in 1..=LANE_SLOTS {
+            assert_eq!(link.lane_take(&mut got), Some(k + 1));
+            link.lane_release(None);
+            let want = if k == LANE_SLOTS { 100 } else { k as u8 };
+            assert_eq!(got, body(want));
+        }
+        assert_eq!(link.lane_take(&mut got), None);
+    }
+
+    #[test]
+    fn lane_and_ring_never_overtake_each_other() {
+        let link = pair(4096);
+        let (n, _) = link.write(&[IoSlice::new(b"ring")]).unwrap();
+        assert_eq!(n, 4);
+        assert!(
+            link.lane_send(&body(1)).unwrap().is_none(),
+            "unread ring bytes come first"
+        );
+        link.read(&mut [0u8; 4]).unwrap();
+        assert!(link.lane_send(&body(1)).unwrap().is_some());
+        assert_eq!(
+            link.write(&[IoSlice::new(b"x")]).unwrap().0,
+            0,
+            "an untaken lane message comes first"
+        );
+        let mut got = [0u8; LANE_BODY];
+        link.lane_take(&mut got).unwrap();
+        assert_eq!(
+            link.write(&[IoSlice::new(b"x")]).unwrap().0,
+            0,
+            "not yet released"
+        );
+        link.lane_release(None);
+        assert_eq!(link.write(&[IoSlice::new(b"x")]).unwrap().0, 1);
+    }
+
+    #[test]
+    fn answers_reach_the_producer() {
+        let link = pair(4096);
+        let watch = link.watch();
+        let mut got = [0u8; LANE_BODY];
+        let (a, _) = link.lane_send(&body(1)).unwrap().unwrap();
+        let (b, _) = link.lane_send(&body(2)).unwrap().unwrap();
+        assert_eq!((watch.answered(a), link.answered(b)), (None, None));
+        assert!(watch.incoming() && !watch.ring_incoming());
+        link.lane_take(&mut got).unwrap();
+        link.lane_release(Some(false));
+        link.lane_take(&mut got).unwrap();
+        link.lane_release(None);
+        assert!(!watch.incoming());
+        link.lane_answer(b, true);
+        assert_eq!(
+            (watch.answered(a), link.answered(b)),
+            (Some(true), Some(false))
+        );
+    }
+
+    #[test]
+    fn sleeping_consumer_is_rung_for_a_lane_message() {
+        let link = pair(4096);
+        assert!(!link.prepare_sleep(false));
+        let (_, ring) = link.lane_send(&body(1)).unwrap().unwrap();
+        assert!(ring, "a sleeping consumer must be rung");
+        assert!(
+            link.prepare_sleep(false),
+            "a lane message is waiting: do not sleep"
+        );
+    }
+
+    #[test]
+    fn corrupt_lane_count_is_an_error() {
+        let link = pair(4096);
+        link.lane_send(&body(1)).unwrap().unwrap();
+        link.tx
+            .atomic64(OFF_LANE_HEAD)
+            .store(1 << 40, Ordering::Relaxed);
         assert!(link.write(&[IoSlice::new(b"z")]).is_err());
     }
 

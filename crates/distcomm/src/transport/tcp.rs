@@ -1216,19 +1216,19 @@ impl State {
             return Ok(None);
         };
         if release {
-            self.lane_release(p, None);
+            self.lane_release(p, false);
         }
         let (h, _) =
             Header::decode_lane(body, seq).map_err(|e| format!("protocol violation: {}", e.0))?;
         Ok(Some(h))
     }
 
-    /// Releases the slot of the lane message just taken from `p`, with its answer word when
-    /// `accepted` (one fence for both).
-    fn lane_release(&mut self, p: usize, accepted: Option<bool>) {
+    /// Releases the slot of the lane message just taken from `p`; with `accept`, also writes
+    /// its answer word "accepted" (one fence for both).
+    fn lane_release(&mut self, p: usize, accept: bool) {
         if let Some(Some(peer)) = self.peers.get(p) {
             if let Some(link) = &peer.link.shm {
-                if link.lane_release(accepted.map(|a| !a)) {
+                if link.lane_release(accept.then_some(false)) {
                     peer.link.ring();
                 }
             }
@@ -1336,7 +1336,7 @@ impl State {
                 Ok(Some(h)) => h,
                 Ok(None) => return LaneRecv::Empty,
                 Err(reason) => {
-                    self.lane_release(p, None);
+                    self.lane_release(p, false);
                     self.mark_dead(p, reason);
                     return LaneRecv::Declined;
                 }
@@ -1344,7 +1344,7 @@ impl State {
             let data = Header::lane_payload(&body, h.len);
             if (h.ctx, h.tag) != (ctx, tag) {
                 let data = data.to_vec();
-                self.lane_release(p, None);
+                self.lane_release(p, false);
                 self.lane_arrived(p, h, data);
                 continue;
             }
@@ -1355,8 +1355,7 @@ impl State {
                         out[..data.len()].copy_from_slice(data);
                         let bytes = data.len();
                         // Accepted: the answer word goes with the slot's release.
-                        let answered = h.aux & EAGER_NO_ACK == 0;
-                        self.lane_release(p, answered.then_some(true));
+                        self.lane_release(p, h.aux & EAGER_NO_ACK == 0);
                         Ok(Status {
                             peer: p,
                             tag,
@@ -1364,7 +1363,7 @@ impl State {
                         })
                     }
                     Err((e, reason)) => {
-                        self.lane_release(p, None);
+                        self.lane_release(p, false);
                         let refusal = Refusal {
                             reason,
                             cap,

@@ -2594,7 +2594,7 @@ impl Engine {
             if self.sh.yield_spin {
                 std::thread::yield_now();
             } else {
-                std::hint::spin_loop();
+                std::hint::black_box(());
             }
         };
         self.spin_end(ok);

@@ -731,3 +731,34 @@ fn late_partners_of_blocking_calls() {
         }
     });
 }
+
+/// A blocking small send (which waits for its answer past the shared-memory fast path) and a
+/// blocking small receive towards a peer that exits fail with `PeerLost`, promptly.
+#[test]
+fn blocking_small_calls_to_a_peer_that_exits_fail() {
+    run_native(
+        "blocking_small_calls_to_a_peer_that_exits_fail",
+        &[2],
+        |g| {
+            if g.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(100));
+                std::process::exit(0);
+            }
+            let t = Instant::now();
+            let lost = |r: distcomm::Result<()>| match r {
+                Err(Error::PeerLost {
+                    peer: 1, rank: 0, ..
+                }) => {}
+                other => panic!("expected peer 1 lost, got {other:?}"),
+            };
+            lost(g.send(&[1u8; 8], 1, 7));
+            lost(g.recv(&mut [0u8; 8], 1, 8).map(|_| ()));
+            lost(g.send(&[1u8; 8], 1, 9));
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "detection took {:?}",
+                t.elapsed()
+            );
+        },
+    );
+}

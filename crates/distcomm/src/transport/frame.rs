@@ -73,25 +73,23 @@ pub const EAGER_NO_ACK: u32 = 1;
 /// refusing such a message (its `msg_id` is that sequence number, its reason the rest of `aux`).
 pub const LANE: u32 = 1 << 8;
 
-/// Bytes of a lane slot's body: a small Eager message in one cache line, after the slot's
-/// 8-byte sequence number.
+/// Bytes of a lane message's header (the shared-memory lane, `transport::shm`, carries the
+/// message's length and sequence number itself). It stands for an Eager frame:
 ///
 /// ```text
 /// offset size field
 ///      0    4 ctx
 ///      4    4 tag
-///      8    1 len      (payload bytes, at most LANE_MAX)
-///      9    1 dtype
-///     10    1 fp.kind  (0: point-to-point, answered through the lane's ack word)
-///     11    1 fp.op
+///      8    1 dtype
+///      9    1 fp.kind  (0: point-to-point, answered through the lane's answer word)
+///     10    1 fp.op
+///     11    1 reserved (zero)
 ///     12    4 fp.root
 ///     16    8 fp.count
-///     24      payload
 /// ```
-pub const LANE_BODY: usize = 56;
-const LANE_HEAD: usize = 24;
-/// Largest message a lane slot carries.
-pub const LANE_MAX: usize = LANE_BODY - LANE_HEAD;
+pub const LANE_HEAD: usize = 24;
+/// Largest message the lane carries.
+pub const LANE_MAX: usize = 1024;
 /// Answered lane messages (point-to-point) outstanding per direction at most: each has its own
 /// answer word until it is answered.
 pub const LANE_ACKS: u64 = 16;
@@ -264,64 +262,56 @@ impl Header {
         Ok(h)
     }
 
-    /// Encodes an Eager message of at most [`LANE_MAX`] bytes (`payload`) into a lane slot's
-    /// body. Kind, `aux` and `msg_id` are implied by the lane.
-    pub fn encode_lane(&self, payload: &[u8], body: &mut [u8; LANE_BODY]) {
-        let n = payload.len().min(LANE_MAX);
-        body[0..4].copy_from_slice(&self.ctx.to_le_bytes());
-        body[4..8].copy_from_slice(&self.tag.to_le_bytes());
-        body[8] = n as u8;
-        body[9] = self.dtype as u8;
-        body[10] = self.fp.kind;
-        body[11] = self.fp.op;
-        body[12..16].copy_from_slice(&self.fp.root.to_le_bytes());
-        body[16..24].copy_from_slice(&self.fp.count.to_le_bytes());
-        body[LANE_HEAD..LANE_HEAD + n].copy_from_slice(&payload[..n]);
+    /// Encodes the lane header of this Eager message. Kind, `aux`, `msg_id` and `len` are
+    /// implied by the lane.
+    pub fn encode_lane(&self) -> [u8; LANE_HEAD] {
+        let mut b = [0u8; LANE_HEAD];
+        b[0..4].copy_from_slice(&self.ctx.to_le_bytes());
+        b[4..8].copy_from_slice(&self.tag.to_le_bytes());
+        b[8] = self.dtype as u8;
+        b[9] = self.fp.kind;
+        b[10] = self.fp.op;
+        b[12..16].copy_from_slice(&self.fp.root.to_le_bytes());
+        b[16..24].copy_from_slice(&self.fp.count.to_le_bytes());
+        b
     }
 
-    /// Decodes and validates the body of lane slot `seq`: the Eager header it stands for
-    /// ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for collective messages; `msg_id` = `seq`) and
-    /// its payload.
-    pub fn decode_lane(body: &[u8; LANE_BODY], seq: u64) -> Result<(Header, &[u8]), DecodeError> {
-        let u32_at =
-            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+    /// Decodes and validates the header of lane message `seq` of `len` bytes: the Eager header
+    /// it stands for ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for collective messages; `msg_id`
+    /// = `seq`).
+    pub fn decode_lane(b: &[u8; LANE_HEAD], seq: u64, len: usize) -> Result<Header, DecodeError> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let mut count = [0u8; 8];
-        count.copy_from_slice(&body[16..24]);
-        let len = body[8] as usize;
+        count.copy_from_slice(&b[16..24]);
         if len > LANE_MAX {
             return Err(DecodeError(format!("lane message of {len} bytes")));
         }
-        let dtype = DType::from_wire(body[9])
-            .ok_or_else(|| DecodeError(format!("unknown dtype {}", body[9])))?;
+        let dtype =
+            DType::from_wire(b[8]).ok_or_else(|| DecodeError(format!("unknown dtype {}", b[8])))?;
+        if b[11] != 0 {
+            return Err(DecodeError("reserved lane header byte is not zero".into()));
+        }
         if len % dtype.size() != 0 {
             return Err(DecodeError(format!(
                 "{len} bytes is not a whole number of {dtype} elements"
             )));
         }
         let fp = Fingerprint {
-            kind: body[10],
-            op: body[11],
+            kind: b[9],
+            op: b[10],
             root: u32_at(12),
             count: u64::from_le_bytes(count),
         };
-        let aux = LANE | if fp.kind != 0 { EAGER_NO_ACK } else { 0 };
-        let h = Header {
+        Ok(Header {
             kind: Kind::Eager,
             dtype,
             ctx: u32_at(0),
             tag: u32_at(4),
-            aux,
+            aux: LANE | if fp.kind != 0 { EAGER_NO_ACK } else { 0 },
             msg_id: seq,
             len: len as u64,
             fp,
-        };
-        Ok((h, Header::lane_payload(body, h.len)))
-    }
-
-    /// The first `len` payload bytes of a lane slot's body (at most [`LANE_MAX`]).
-    pub fn lane_payload(body: &[u8; LANE_BODY], len: u64) -> &[u8] {
-        let n = usize::try_from(len).map_or(LANE_MAX, |n| n.min(LANE_MAX));
-        &body[LANE_HEAD..LANE_HEAD + n]
+        })
     }
 
     /// Bytes of payload that follow this header on the wire.
@@ -361,25 +351,22 @@ mod tests {
 
     proptest! {
         #[test]
-        fn lane_roundtrip(dt in 0u8..=8, ctx: u32, tag: u32, seq: u64, fk: u8, fo: u8, root: u32, count: u64, data in proptest::collection::vec(any::<u8>(), 0..=LANE_MAX)) {
+        fn lane_roundtrip(dt in 0u8..=8, ctx: u32, tag: u32, seq: u64, fk: u8, fo: u8, root: u32, count: u64, n in 0usize..=LANE_MAX) {
             let dtype = DType::from_wire(dt).unwrap();
-            let n = data.len() / dtype.size() * dtype.size();
+            let n = n / dtype.size() * dtype.size();
             let fp = Fingerprint { kind: fk, op: fo, root, count };
             let h = Header { kind: Kind::Eager, dtype, ctx, tag, aux: 0, msg_id: 0, len: n as u64, fp };
-            let mut body = [0u8; LANE_BODY];
-            h.encode_lane(&data[..n], &mut body);
-            let (got, payload) = Header::decode_lane(&body, seq).unwrap();
+            let got = Header::decode_lane(&h.encode_lane(), seq, n).unwrap();
             let aux = LANE | if fk != 0 { EAGER_NO_ACK } else { 0 };
             prop_assert_eq!(got, Header { aux, msg_id: seq, ..h });
-            prop_assert_eq!(payload, &data[..n]);
         }
 
         #[test]
-        fn lane_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), LANE_BODY), seq: u64) {
-            let mut body = [0u8; LANE_BODY];
-            body.copy_from_slice(&bytes);
-            if let Ok((h, payload)) = Header::decode_lane(&body, seq) {
-                prop_assert!(payload.len() <= LANE_MAX && payload.len() as u64 == h.len);
+        fn lane_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), LANE_HEAD), seq: u64, len: usize) {
+            let mut head = [0u8; LANE_HEAD];
+            head.copy_from_slice(&bytes);
+            if let Ok(h) = Header::decode_lane(&head, seq, len) {
+                prop_assert!(len <= LANE_MAX && h.len == len as u64);
             }
         }
     }

@@ -18,7 +18,7 @@ pub(crate) mod tcp;
 pub(crate) use shm::ShmLink;
 
 #[cfg(target_os = "linux")]
-pub(crate) use shm::ShmWatch;
+pub(crate) use shm::{LaneMsg, ShmWatch};
 
 /// Stand-in for the shared-memory link where the platform has none (it has no values: the
 /// engine's calls on it are never made).
@@ -39,19 +39,34 @@ impl ShmLink {
     }
     pub fn lane_send(
         &self,
-        _body: &[u8; frame::LANE_BODY],
+        _head: &[u8; frame::LANE_HEAD],
+        _payload: &[u8],
     ) -> std::io::Result<Option<(u64, bool)>> {
         match *self {}
     }
-    pub fn lane_take(&self, _body: &mut [u8; frame::LANE_BODY]) -> Option<u64> {
+    pub fn lane_peek(
+        &self,
+        _head: &mut [u8; frame::LANE_HEAD],
+    ) -> std::io::Result<Option<LaneMsg>> {
         match *self {}
     }
-    pub fn lane_release(&self, _answer: Option<bool>) -> bool {
+    pub fn lane_copy(&self, _m: LaneMsg, _dst: &mut [u8]) {
+        match *self {}
+    }
+    pub fn lane_release(&self, _m: LaneMsg, _answer: Option<bool>) -> bool {
         match *self {}
     }
     pub fn lane_answer(&self, _seq: u64, _refused: bool) -> bool {
         match *self {}
     }
+}
+
+/// A lane message (see `shm::LaneMsg`); never made where the platform has no shared memory.
+#[cfg(not(target_os = "linux"))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneMsg {
+    pub seq: u64,
+    pub len: usize,
 }
 
 /// Stand-in for [`ShmLink`]'s watcher where the platform has no shared memory.

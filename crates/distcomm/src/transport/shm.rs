@@ -57,7 +57,7 @@ use std::time::Instant;
 
 use memmap2::MmapRaw;
 
-use super::frame::{LANE_ACKS, LANE_BODY};
+use super::frame::{LANE_ACKS, LANE_HEAD, LANE_MAX};
 use super::{ShmConfig, TransportKind};
 use crate::error::{Error, Result};
 
@@ -77,19 +77,42 @@ const OFF_CAP: usize = 264;
 const OFF_LANE_HEAD: usize = 320;
 const OFF_ACKS: usize = 512;
 const OFF_SLOTS: usize = 2048;
-const OFF_DATA: usize = 4096;
+const OFF_DATA: usize = 8192;
 /// Lane slots per direction.
-const LANE_SLOTS: u64 = 32;
-/// A slot: its sequence number (written last), then the body.
-const SLOT: usize = 8 + LANE_BODY;
+const LANE_SLOTS: u64 = 64;
+/// A slot (one cache line): its sequence word, then the body. A message takes consecutive
+/// slots: the first holds its header and the payload's first bytes, the others the rest. The
+/// first slot's word, written last, is its sequence number with its length in the top bits;
+/// the others' words are their own sequence numbers.
+const SLOT: usize = 64;
+const SLOT_BODY: usize = SLOT - 8;
+/// Payload bytes in a message's first slot.
+const FIRST: usize = SLOT_BODY - LANE_HEAD;
+const LEN_SHIFT: u32 = 48;
+const SEQ_MASK: u64 = (1 << LEN_SHIFT) - 1;
 /// Answer word bit: the message was refused (a Nack frame on the ring says why).
 const ACK_REFUSED: u64 = 1 << 63;
-const MAGIC: u64 = 0x6469_7374_636f_6d32; // "distcom2"
+const MAGIC: u64 = 0x6469_7374_636f_6d33; // "distcom3"
 /// Each answer word has a cache line of its own: the producer reads the word of an old message
 /// (is it free?) while the consumer writes the newest one.
 const ACK_STRIDE: usize = 64;
-const _: () = assert!(SLOT == 64 && OFF_ACKS + ACK_STRIDE * LANE_ACKS as usize <= OFF_SLOTS);
+const _: () = assert!(OFF_ACKS + ACK_STRIDE * LANE_ACKS as usize <= OFF_SLOTS);
 const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_DATA);
+// The largest message fits the lane twice over.
+const _: () = assert!(2 * slots_for(LANE_MAX) <= LANE_SLOTS && LANE_MAX < 1 << 16);
+
+/// Slots a lane message of `len` bytes takes.
+const fn slots_for(len: usize) -> u64 {
+    1 + (len.saturating_sub(FIRST).div_ceil(SLOT_BODY)) as u64
+}
+
+/// A lane message found by [`ShmLink::lane_peek`]: its first slot's sequence number (its id
+/// for the answer) and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneMsg {
+    pub seq: u64,
+    pub len: usize,
+}
 
 /// One mapped ring.
 struct Ring {
@@ -158,13 +181,19 @@ impl Ring {
         }
     }
 
-    /// The sequence word of the lane slot that message `seq` (from 1) occupies.
+    /// The sequence word of lane slot `seq` (from 1).
     fn slot_seq(&self, seq: u64) -> &AtomicU64 {
         self.atomic64(Self::slot_off(seq))
     }
 
     fn slot_off(seq: u64) -> usize {
         OFF_SLOTS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * SLOT
+    }
+
+    /// The body of lane slot `seq`.
+    fn slot_body(&self, seq: u64) -> *mut u8 {
+        // SAFETY: the slot lies inside the header area of the mapping (const assertions).
+        unsafe { self.map.as_mut_ptr().add(Self::slot_off(seq) + 8) }
     }
 
     /// The answer word of lane message `seq`.
@@ -179,9 +208,9 @@ impl Ring {
         (w & !ACK_REFUSED == seq).then_some(w & ACK_REFUSED == 0)
     }
 
-    /// Whether the lane holds a message after the `taken` the consumer took.
+    /// Whether the lane holds a message after the `taken` slots the consumer took.
     fn lane_ready(&self, taken: u64) -> bool {
-        self.slot_seq(taken + 1).load(Ordering::Acquire) == taken + 1
+        self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == taken + 1
     }
 
     /// Copies from the ring at logical position `pos` into `dst` (wrapping).
@@ -288,26 +317,46 @@ impl ShmLink {
         self.tx_lane.get() + 1
     }
 
-    /// Writes a small message's body (at most [`LANE_BODY`] bytes) to the lane, if nothing
-    /// written to the ring is still unread and a slot is free. Returns its sequence number and
-    /// whether the consumer is asleep and needs a doorbell; `None` when the lane cannot take it.
-    pub fn lane_send(&self, body: &[u8; LANE_BODY]) -> io::Result<Option<(u64, bool)>> {
-        if !self.ring_drained()?
-            || (self.lane_filled(false)? >= LANE_SLOTS && self.lane_filled(true)? >= LANE_SLOTS)
+    /// Writes a small message (`head`, then at most [`LANE_MAX`] bytes of `payload`) to the
+    /// lane, if nothing written to the ring is still unread and its slots are free. Returns its
+    /// sequence number and whether the consumer is asleep and needs a doorbell; `None` when the
+    /// lane cannot take it.
+    pub fn lane_send(
+        &self,
+        head: &[u8; LANE_HEAD],
+        payload: &[u8],
+    ) -> io::Result<Option<(u64, bool)>> {
+        let len = payload.len();
+        let k = slots_for(len);
+        if len > LANE_MAX
+            || !self.ring_drained()?
+            || (self.lane_filled(false)? + k > LANE_SLOTS
+                && self.lane_filled(true)? + k > LANE_SLOTS)
         {
             return Ok(None);
         }
         let seq = self.tx_lane.get() + 1;
         let r = &self.tx;
-        // SAFETY: the slot lies inside the header area of the mapping (checked by the const
-        // assertions); the consumer took its previous message (filled < LANE_SLOTS) and reads
-        // it again only after the sequence word below says it holds message `seq`.
-        unsafe {
-            let at = r.map.as_mut_ptr().add(Ring::slot_off(seq) + 8);
-            std::ptr::copy_nonoverlapping(body.as_ptr(), at, LANE_BODY);
+        let first = len.min(FIRST);
+        // The continuation slots first, then the first slot, whose word publishes them all.
+        for (i, chunk) in (1..).zip(payload[first..].chunks(SLOT_BODY)) {
+            // SAFETY: `slot_body` is inside the mapping and has SLOT_BODY >= chunk.len() bytes;
+            // the consumer took the slot's previous message (room was checked) and reads it
+            // again only after the first slot's word below says message `seq` is there.
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), r.slot_body(seq + i), chunk.len())
+            };
+            r.slot_seq(seq + i).store(seq + i, Ordering::Release);
         }
-        r.slot_seq(seq).store(seq, Ordering::Release);
-        self.tx_lane.set(seq);
+        // SAFETY: as above, for the first slot: LANE_HEAD + first <= SLOT_BODY.
+        unsafe {
+            let at = r.slot_body(seq);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), at, LANE_HEAD);
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), at.add(LANE_HEAD), first);
+        }
+        r.slot_seq(seq)
+            .store(seq | (len as u64) << LEN_SHIFT, Ordering::Release);
+        self.tx_lane.set(seq + k - 1);
         Ok(Some((seq, self.consumer_asleep())))
     }
 
@@ -327,35 +376,74 @@ impl ShmLink {
         lower(self.rx.atomic32(OFF_PRODUCER_WAITING))
     }
 
-    /// Copies the body of the next lane message into `body`, without releasing its slot yet
-    /// ([`lane_release`](Self::lane_release) does). Returns its sequence number.
-    pub fn lane_take(&self, body: &mut [u8; LANE_BODY]) -> Option<u64> {
+    /// The next lane message, if one is there: its header is copied into `head`; nothing is
+    /// taken until [`lane_release`](Self::lane_release). A length or a continuation slot that
+    /// breaks the layout is an error (the peer wrote garbage).
+    pub fn lane_peek(&self, head: &mut [u8; LANE_HEAD]) -> io::Result<Option<LaneMsg>> {
+        let r = &self.rx;
         let seq = self.rx_lane.get() + 1;
-        if !self.rx.lane_ready(seq - 1) {
-            return None;
+        let word = r.slot_seq(seq).load(Ordering::Acquire);
+        if word & SEQ_MASK != seq {
+            return Ok(None);
         }
-        // SAFETY: the slot lies inside the mapping; the producer wrote it before publishing
-        // sequence number `seq` (acquired above) and does not write it again until we release
-        // it.
-        unsafe {
-            let at = self.rx.map.as_mut_ptr().add(Ring::slot_off(seq) + 8);
-            std::ptr::copy_nonoverlapping(at, body.as_mut_ptr(), LANE_BODY);
+        let len = (word >> LEN_SHIFT) as usize;
+        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        if len > LANE_MAX {
+            return Err(bad(format!("shared-memory lane message of {len} bytes")));
         }
-        self.rx_lane.set(seq);
-        Some(seq)
+        for i in 1..slots_for(len) {
+            if r.slot_seq(seq + i).load(Ordering::Relaxed) != seq + i {
+                return Err(bad(format!(
+                    "shared-memory lane message {seq} is incomplete"
+                )));
+            }
+        }
+        // SAFETY: the first slot's body has LANE_HEAD bytes; the producer wrote them before
+        // publishing `seq` (acquired above) and keeps off until we release the message.
+        unsafe { std::ptr::copy_nonoverlapping(r.slot_body(seq), head.as_mut_ptr(), LANE_HEAD) };
+        Ok(Some(LaneMsg { seq, len }))
     }
 
-    /// Releases the slot of the message just taken, first writing its answer (`Some(refused)`)
-    /// when it has one already. Returns whether the peer sleeps (or waits for room) and needs a
-    /// doorbell.
-    pub fn lane_release(&self, answer: Option<bool>) -> bool {
-        let seq = self.rx_lane.get();
-        if let Some(refused) = answer {
-            self.answer_word(seq, refused);
+    /// Copies the payload of message `m` (from [`lane_peek`](Self::lane_peek), not yet
+    /// released) into `dst` (up to its length).
+    pub fn lane_copy(&self, m: LaneMsg, dst: &mut [u8]) {
+        let r = &self.rx;
+        let len = m.len.min(dst.len());
+        let first = len.min(FIRST);
+        // SAFETY: the slots of `m` lie inside the mapping, hold what the producer wrote before
+        // publishing `m` (checked by `lane_peek`), and stay untouched until we release them;
+        // each copy stays within one slot's body and within `dst`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.slot_body(m.seq).add(LANE_HEAD),
+                dst.as_mut_ptr(),
+                first,
+            );
         }
+        for (i, chunk) in (1..).zip(dst[first..len].chunks_mut(SLOT_BODY)) {
+            // SAFETY: as above.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    r.slot_body(m.seq + i),
+                    chunk.as_mut_ptr(),
+                    chunk.len(),
+                )
+            };
+        }
+    }
+
+    /// Releases the slots of message `m`, first writing its answer (`Some(refused)`) when it
+    /// has one already. Returns whether the peer sleeps (or waits for room) and needs a
+    /// doorbell.
+    pub fn lane_release(&self, m: LaneMsg, answer: Option<bool>) -> bool {
+        if let Some(refused) = answer {
+            self.answer_word(m.seq, refused);
+        }
+        let taken = m.seq + slots_for(m.len) - 1;
+        self.rx_lane.set(taken);
         self.rx
             .atomic64(OFF_LANE_HEAD)
-            .store(seq, Ordering::Release);
+            .store(taken, Ordering::Release);
         // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
         fence(Ordering::SeqCst);
         let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
@@ -1077,37 +1165,79 @@ mod tests {
         assert!(link.write(&[IoSlice::new(b"z")]).is_err());
     }
 
-    fn body(k: u8) -> [u8; LANE_BODY] {
+    fn head(k: u8) -> [u8; LANE_HEAD] {
         std::array::from_fn(|i| k.wrapping_add(i as u8))
     }
 
+    fn payload(k: u8, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| k.wrapping_mul(31).wrapping_add(i as u8))
+            .collect()
+    }
+
+    /// Takes the next lane message whole: header, payload.
+    fn take(link: &ShmLink) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
+        let mut h = [0u8; LANE_HEAD];
+        let m = link.lane_peek(&mut h).unwrap()?;
+        let mut data = vec![0u8; m.len];
+        link.lane_copy(m, &mut data);
+        link.lane_release(m, None);
+        Some((m, h, data))
+    }
+
     #[test]
-    fn lane_keeps_order_and_refuses_when_full() {
+    fn lane_keeps_order_and_sizes_and_refuses_when_full() {
         let link = pair(4096);
-        for k in 0..LANE_SLOTS {
-            let (seq, _) = link.lane_send(&body(k as u8)).unwrap().unwrap();
-            assert_eq!(seq, k + 1);
+        // Sizes around the slot boundaries; sent and taken in waves that wrap the slots.
+        let lens = [
+            0,
+            1,
+            8,
+            FIRST,
+            FIRST + 1,
+            FIRST + SLOT_BODY,
+            200,
+            1000,
+            LANE_MAX,
+        ];
+        let mut sent = std::collections::VecDeque::new();
+        for wave in 0..20u8 {
+            for (k, &len) in lens.iter().enumerate() {
+                let tag = wave.wrapping_mul(16).wrapping_add(k as u8);
+                match link.lane_send(&head(tag), &payload(tag, len)).unwrap() {
+                    Some((seq, _)) => sent.push_back((seq, tag, len)),
+                    None => {
+                        // Full: the lane holds at most LANE_SLOTS slots of messages.
+                        let used: u64 = sent.iter().map(|&(_, _, l)| slots_for(l)).sum();
+                        assert!(used + slots_for(len) > LANE_SLOTS, "refused with room");
+                        break;
+                    }
+                }
+            }
+            while sent.len() > 2 {
+                let (seq, tag, len) = sent.pop_front().unwrap();
+                let (m, h, data) = take(&link).unwrap();
+                assert_eq!((m.seq, m.len), (seq, len));
+                assert_eq!((h, data), (head(tag), payload(tag, len)));
+            }
         }
-        assert!(
-            link.lane_send(&body(99)).unwrap().is_none(),
-            "every slot is taken"
-        );
-        let mut got = [0u8; LANE_BODY];
-        assert_eq!(link.lane_take(&mut got), Some(1));
-        assert_eq!(got, body(0));
-        assert!(
-            link.lane_send(&body(99)).unwrap().is_none(),
-            "a slot taken but not released is not free"
-        );
-        link.lane_release(None);
-        assert!(link.lane_send(&body(100)).unwrap().is_some());
-        for k in 1..=LANE_SLOTS {
-            assert_eq!(link.lane_take(&mut got), Some(k + 1));
-            link.lane_release(None);
-            let want = if k == LANE_SLOTS { 100 } else { k as u8 };
-            assert_eq!(got, body(want));
+        while let Some((seq, tag, len)) = sent.pop_front() {
+            let (m, h, data) = take(&link).unwrap();
+            assert_eq!((m.seq, h, data), (seq, head(tag), payload(tag, len)));
         }
-        assert_eq!(link.lane_take(&mut got), None);
+        assert!(take(&link).is_none());
+    }
+
+    #[test]
+    fn a_peeked_message_is_not_taken() {
+        let link = pair(4096);
+        let (seq, _) = link.lane_send(&head(1), &payload(1, 100)).unwrap().unwrap();
+        let mut h = [0u8; LANE_HEAD];
+        let m = link.lane_peek(&mut h).unwrap().unwrap();
+        assert_eq!(link.lane_peek(&mut h).unwrap(), Some(m));
+        assert_eq!(m.seq, seq);
+        link.lane_release(m, None);
+        assert_eq!(link.lane_peek(&mut h).unwrap(), None);
     }
 
     #[test]
@@ -1116,24 +1246,24 @@ mod tests {
         let (n, _) = link.write(&[IoSlice::new(b"ring")]).unwrap();
         assert_eq!(n, 4);
         assert!(
-            link.lane_send(&body(1)).unwrap().is_none(),
+            link.lane_send(&head(1), b"x").unwrap().is_none(),
             "unread ring bytes come first"
         );
         link.read(&mut [0u8; 4]).unwrap();
-        assert!(link.lane_send(&body(1)).unwrap().is_some());
+        assert!(link.lane_send(&head(1), b"x").unwrap().is_some());
         assert_eq!(
             link.write(&[IoSlice::new(b"x")]).unwrap().0,
             0,
             "an untaken lane message comes first"
         );
-        let mut got = [0u8; LANE_BODY];
-        link.lane_take(&mut got).unwrap();
+        let mut h = [0u8; LANE_HEAD];
+        let m = link.lane_peek(&mut h).unwrap().unwrap();
         assert_eq!(
             link.write(&[IoSlice::new(b"x")]).unwrap().0,
             0,
             "not yet released"
         );
-        link.lane_release(None);
+        link.lane_release(m, None);
         assert_eq!(link.write(&[IoSlice::new(b"x")]).unwrap().0, 1);
     }
 
@@ -1141,15 +1271,15 @@ mod tests {
     fn answers_reach_the_producer() {
         let link = pair(4096);
         let watch = link.watch();
-        let mut got = [0u8; LANE_BODY];
-        let (a, _) = link.lane_send(&body(1)).unwrap().unwrap();
-        let (b, _) = link.lane_send(&body(2)).unwrap().unwrap();
+        let (a, _) = link.lane_send(&head(1), &payload(1, 300)).unwrap().unwrap();
+        let (b, _) = link.lane_send(&head(2), b"").unwrap().unwrap();
         assert_eq!((watch.answered(a), link.answered(b)), (None, None));
         assert!(watch.incoming() && !watch.ring_incoming());
-        link.lane_take(&mut got).unwrap();
-        link.lane_release(Some(false));
-        link.lane_take(&mut got).unwrap();
-        link.lane_release(None);
+        let mut h = [0u8; LANE_HEAD];
+        let m = link.lane_peek(&mut h).unwrap().unwrap();
+        link.lane_release(m, Some(false));
+        let m = link.lane_peek(&mut h).unwrap().unwrap();
+        link.lane_release(m, None);
         assert!(!watch.incoming());
         link.lane_answer(b, true);
         assert_eq!(
@@ -1162,7 +1292,7 @@ mod tests {
     fn sleeping_consumer_is_rung_for_a_lane_message() {
         let link = pair(4096);
         assert!(!link.prepare_sleep(false));
-        let (_, ring) = link.lane_send(&body(1)).unwrap().unwrap();
+        let (_, ring) = link.lane_send(&head(1), b"x").unwrap().unwrap();
         assert!(ring, "a sleeping consumer must be rung");
         assert!(
             link.prepare_sleep(false),
@@ -1171,13 +1301,28 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_lane_count_is_an_error() {
+    fn corrupt_lane_is_an_error() {
         let link = pair(4096);
-        link.lane_send(&body(1)).unwrap().unwrap();
+        link.lane_send(&head(1), b"x").unwrap().unwrap();
         link.tx
             .atomic64(OFF_LANE_HEAD)
             .store(1 << 40, Ordering::Relaxed);
-        assert!(link.write(&[IoSlice::new(b"z")]).is_err());
+        assert!(link.write(&[IoSlice::new(b"z")]).is_err(), "a bad count");
+        let link = pair(4096);
+        link.lane_send(&head(1), &payload(1, 500)).unwrap().unwrap();
+        link.tx.slot_seq(3).store(77, Ordering::Relaxed);
+        assert!(
+            link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
+            "a missing slot"
+        );
+        let link = pair(4096);
+        link.tx
+            .slot_seq(1)
+            .store(1 | 5000 << LEN_SHIFT, Ordering::Relaxed);
+        assert!(
+            link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
+            "an oversized message"
+        );
     }
 
     #[test]

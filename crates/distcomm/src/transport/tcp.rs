@@ -45,12 +45,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::frame::{
-    Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, LANE, LANE_ACKS, LANE_BODY,
+    Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, LANE, LANE_ACKS, LANE_HEAD,
     LANE_MAX, RGET_PAYLOAD,
 };
 #[cfg(target_os = "linux")]
 use super::shm;
-use super::{ShmLink, ShmWatch};
+use super::{LaneMsg, ShmLink, ShmWatch};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::work::{block, BoxBuf, Deadline, Driver, OpCell, Status};
@@ -1174,9 +1174,7 @@ impl State {
         if !free {
             return None;
         }
-        let mut body = [0u8; LANE_BODY];
-        h.encode_lane(data, &mut body);
-        let (seq, ring) = match link.lane_send(&body) {
+        let (seq, ring) = match link.lane_send(&h.encode_lane(), data) {
             Ok(sent) => sent?,
             Err(e) => {
                 self.mark_dead(p, e.to_string());
@@ -1197,38 +1195,42 @@ impl State {
         Some(seq)
     }
 
-    /// Copies the next message of `p`'s lane out (into `body`) and decodes its header. With
-    /// `release` its slot is released at once; otherwise the caller releases it with
-    /// [`State::lane_release`].
-    fn lane_take(
-        &mut self,
-        p: usize,
-        body: &mut [u8; LANE_BODY],
-        release: bool,
-    ) -> std::result::Result<Option<Header>, String> {
-        let Some(Some(peer)) = self.peers.get(p) else {
+    /// The next message of `p`'s lane, if one is there, with its decoded header; nothing is
+    /// taken until [`State::lane_release`].
+    fn lane_peek(&self, p: usize) -> std::result::Result<Option<(Header, LaneMsg)>, String> {
+        let Some(link) = self
+            .peers
+            .get(p)
+            .and_then(|x| x.as_ref()?.link.shm.as_ref())
+        else {
             return Ok(None);
         };
-        let Some(link) = &peer.link.shm else {
+        let mut head = [0u8; LANE_HEAD];
+        let Some(m) = link.lane_peek(&mut head).map_err(|e| e.to_string())? else {
             return Ok(None);
         };
-        let Some(seq) = link.lane_take(body) else {
-            return Ok(None);
-        };
-        if release {
-            self.lane_release(p, false);
-        }
-        let (h, _) =
-            Header::decode_lane(body, seq).map_err(|e| format!("protocol violation: {}", e.0))?;
-        Ok(Some(h))
+        let h = Header::decode_lane(&head, m.seq, m.len)
+            .map_err(|e| format!("protocol violation: {}", e.0))?;
+        Ok(Some((h, m)))
     }
 
-    /// Releases the slot of the lane message just taken from `p`; with `accept`, also writes
-    /// its answer word "accepted" (one fence for both).
-    fn lane_release(&mut self, p: usize, accept: bool) {
+    /// Copies the payload of lane message `m` from `p` into `dst`.
+    fn lane_copy(&self, p: usize, m: LaneMsg, dst: &mut [u8]) {
+        if let Some(link) = self
+            .peers
+            .get(p)
+            .and_then(|x| x.as_ref()?.link.shm.as_ref())
+        {
+            link.lane_copy(m, dst);
+        }
+    }
+
+    /// Releases lane message `m` from `p`; with `accept`, also writes its answer word
+    /// "accepted" (one fence for both).
+    fn lane_release(&mut self, p: usize, m: LaneMsg, accept: bool) {
         if let Some(Some(peer)) = self.peers.get(p) {
             if let Some(link) = &peer.link.shm {
-                if link.lane_release(accept.then_some(false)) {
+                if link.lane_release(m, accept.then_some(false)) {
                     peer.link.ring();
                 }
             }
@@ -1239,10 +1241,12 @@ impl State {
     /// reading its ring: a lane message is never behind unread ring bytes (see `shm`).
     fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
         let mut any = false;
-        let mut body = [0u8; LANE_BODY];
-        while let Some(h) = self.lane_take(p, &mut body, true)? {
+        while let Some((h, m)) = self.lane_peek(p)? {
             any = true;
-            self.lane_arrived(p, h, Header::lane_payload(&body, h.len).to_vec());
+            let mut data = vec![0u8; m.len];
+            self.lane_copy(p, m, &mut data);
+            self.lane_release(p, m, false);
+            self.lane_arrived(p, h, data);
         }
         Ok(any)
     }
@@ -1330,21 +1334,19 @@ impl State {
         {
             return LaneRecv::Declined;
         }
-        let mut body = [0u8; LANE_BODY];
         loop {
-            let h = match self.lane_take(p, &mut body, false) {
-                Ok(Some(h)) => h,
+            let (h, m) = match self.lane_peek(p) {
+                Ok(Some(msg)) => msg,
                 Ok(None) => return LaneRecv::Empty,
                 Err(reason) => {
-                    self.lane_release(p, false);
                     self.mark_dead(p, reason);
                     return LaneRecv::Declined;
                 }
             };
-            let data = Header::lane_payload(&body, h.len);
             if (h.ctx, h.tag) != (ctx, tag) {
-                let data = data.to_vec();
-                self.lane_release(p, false);
+                let mut data = vec![0u8; m.len];
+                self.lane_copy(p, m, &mut data);
+                self.lane_release(p, m, false);
                 self.lane_arrived(p, h, data);
                 continue;
             }
@@ -1352,18 +1354,17 @@ impl State {
             return LaneRecv::Got(
                 match self.check_receive(env.op, env.dtype, env.fp, cap, p, &h) {
                     Ok(()) => {
-                        out[..data.len()].copy_from_slice(data);
-                        let bytes = data.len();
-                        // Accepted: the answer word goes with the slot's release.
-                        self.lane_release(p, h.aux & EAGER_NO_ACK == 0);
+                        self.lane_copy(p, m, &mut out[..m.len]);
+                        // Accepted: the answer word goes with the slots' release.
+                        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
                         Ok(Status {
                             peer: p,
                             tag,
-                            bytes,
+                            bytes: m.len,
                         })
                     }
                     Err((e, reason)) => {
-                        self.lane_release(p, false);
+                        self.lane_release(p, m, false);
                         let refusal = Refusal {
                             reason,
                             cap,

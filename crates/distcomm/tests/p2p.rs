@@ -577,7 +577,24 @@ fn small_and_large_messages_on_one_tag_keep_their_order() {
         "small_and_large_messages_on_one_tag_keep_their_order",
         &[2],
         |g| {
-            let lens = [8usize, 100_000, 8, 1, 32, 4096, 33, 8, 2 << 20, 16, 0, 8];
+            let lens = [
+                8usize,
+                100_000,
+                8,
+                1,
+                32,
+                4096,
+                33,
+                8,
+                2 << 20,
+                16,
+                0,
+                1000,
+                1024,
+                1025,
+                88,
+                8,
+            ];
             let msg = |i: usize| {
                 let mut v = pattern(i as u64, lens[i]);
                 if let Some(b) = v.first_mut() {
@@ -702,6 +719,22 @@ fn small_message_refusals_fail_both_sides() {
                 }
                 assert_eq!(small, [9; 8], "a refused message writes nothing");
             }
+        }
+        // A message over several lane slots, refused for its size.
+        if g.rank() == 0 {
+            match g.send(&[3u8; 600], peer, 2) {
+                Err(Error::MessageTooLarge { sent, capacity, .. }) => {
+                    assert_eq!((sent, capacity), (600, 300))
+                }
+                other => panic!("sender of 600 B into 300 B: {other:?}"),
+            }
+        } else {
+            let mut out = [1u8; 300];
+            assert!(matches!(
+                g.recv(&mut out, peer, 2),
+                Err(Error::MessageTooLarge { .. })
+            ));
+            assert_eq!(out, [1; 300], "a refused message writes nothing");
         }
         // The link carries on.
         exchange_pair(g);

@@ -90,6 +90,8 @@ const SLOT: usize = 64;
 const SLOT_BODY: usize = SLOT - 8;
 /// Payload bytes in a message's first slot.
 const FIRST: usize = SLOT_BODY - LANE_HEAD;
+/// The first slot's word: the low bits of its sequence number (compared as such: they wrap
+/// after 2^48 slots), the message's length above them.
 const LEN_SHIFT: u32 = 48;
 const SEQ_MASK: u64 = (1 << LEN_SHIFT) - 1;
 /// Answer word bit: the message was refused (a Nack frame on the ring says why).
@@ -212,7 +214,7 @@ impl Ring {
 
     /// Whether the lane holds a message after the `taken` slots the consumer took.
     fn lane_ready(&self, taken: u64) -> bool {
-        self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == taken + 1
+        self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == (taken + 1) & SEQ_MASK
     }
 
     /// Copies from the ring at logical position `pos` into `dst` (wrapping).
@@ -356,8 +358,10 @@ impl ShmLink {
             std::ptr::copy_nonoverlapping(head.as_ptr(), at, LANE_HEAD);
             std::ptr::copy_nonoverlapping(payload.as_ptr(), at.add(LANE_HEAD), first);
         }
-        r.slot_seq(seq)
-            .store(seq | (len as u64) << LEN_SHIFT, Ordering::Release);
+        r.slot_seq(seq).store(
+            seq & SEQ_MASK | (len as u64) << LEN_SHIFT,
+            Ordering::Release,
+        );
         self.tx_lane.set(seq + k - 1);
         Ok(Some((seq, self.consumer_asleep())))
     }
@@ -385,7 +389,7 @@ impl ShmLink {
         let r = &self.rx;
         let seq = self.rx_lane.get() + 1;
         let word = r.slot_seq(seq).load(Ordering::Acquire);
-        if word & SEQ_MASK != seq {
+        if word & SEQ_MASK != seq & SEQ_MASK {
             return Ok(None);
         }
         let len = (word >> LEN_SHIFT) as usize;
@@ -1228,6 +1232,23 @@ mod tests {
             assert_eq!((m.seq, h, data), (seq, head(tag), payload(tag, len)));
         }
         assert!(take(&link).is_none());
+    }
+
+    #[test]
+    fn sequence_numbers_wrap_past_their_48_bits() {
+        let link = pair(4096);
+        let start = SEQ_MASK - 3;
+        link.tx_lane.set(start);
+        link.tx_lane_head.set(start);
+        link.tx
+            .atomic64(OFF_LANE_HEAD)
+            .store(start, Ordering::Relaxed);
+        link.rx_lane.set(start);
+        for k in 0..8u8 {
+            link.lane_send(&head(k), &payload(k, 100)).unwrap().unwrap();
+            let (_, h, data) = take(&link).unwrap();
+            assert_eq!((h, data), (head(k), payload(k, 100)));
+        }
     }
 
     #[test]

@@ -18,6 +18,12 @@
 //! to a peer outlives everything here (abort, shutdown) until that peer answers or dies. Where
 //! the kernel refuses, the receiver answers Cts and the message streams as above.
 //!
+//! Towards a shared-memory peer, messages of up to [`LANE_MAX`] bytes take its *lane* instead
+//! when the ordering rules allow (see `shm`): slots polled on the line the message arrives in,
+//! answered in an answer word rather than an Ack frame (a refusal also sends the Nack frame).
+//! Blocking sends and receives use it without a handle (`Engine::send_small`,
+//! `Engine::recv_small`).
+//!
 //! # Progress
 //! All state lives behind one mutex. Three kinds of threads drive it:
 //! * the caller posting an operation writes what it can at once;

@@ -132,12 +132,30 @@ fn hostile_clients_are_disconnected_without_allocating() {
     assert_eq!(c.get("ok").unwrap(), b"1");
 }
 
+/// A loopback port that refuses connections while the returned socket lives: bound (so that
+/// no other test can take it meanwhile), never listening.
+fn refused_port() -> (std::os::fd::OwnedFd, u16) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain socket calls on a descriptor we own from here on (OwnedFd closes it);
+    // `addr` and `len` are valid for the sizes passed.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let sa = &mut addr as *mut libc::sockaddr_in as *mut libc::sockaddr;
+        assert_eq!(libc::bind(fd, sa, len), 0, "bind");
+        assert_eq!(libc::getsockname(fd, sa, &mut len), 0, "getsockname");
+        (owned, u16::from_be(addr.sin_port))
+    }
+}
+
 #[test]
 fn client_gives_up_on_a_missing_server_with_a_clear_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let (_bound, port) = refused_port();
     let e =
         TcpStore::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
     assert!(e.to_string().contains("connect to store"), "{e}");

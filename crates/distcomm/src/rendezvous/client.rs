@@ -36,6 +36,19 @@ fn io_err(addr: &str, what: &str) -> impl Fn(io::Error) -> Error {
     move |e| Error::io(ctx.clone(), e)
 }
 
+/// Retrying a connection to a local port nobody listens on can connect the socket to itself
+/// (TCP simultaneous open, when the kernel picks the destination port as the source port):
+/// that is a refusal too, not a store.
+fn refuse_self_connection(s: TcpStream) -> io::Result<TcpStream> {
+    if s.local_addr()? == s.peer_addr()? {
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            "connected to itself: nothing listens there",
+        ));
+    }
+    Ok(s)
+}
+
 impl TcpStore {
     /// Connects to `addr` (`host:port`), retrying until `timeout` passes (the server may not be
     /// up yet), validates the connection and checks it with a ping. `timeout` is also the default
@@ -65,7 +78,8 @@ impl TcpStore {
                 .and_then(|sa| {
                     let left = deadline.saturating_duration_since(Instant::now());
                     TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(10)))
-                });
+                })
+                .and_then(refuse_self_connection);
             match attempt {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => {

@@ -340,8 +340,7 @@ pub fn record(
 
 /// One round trip 0 -> 1 -> 0: small messages with the blocking calls on slices (what
 /// `MPI_Send`/`MPI_Recv` are), larger ones with owned buffers (no copies in distcomm).
-fn round_trip(g: &ProcessGroup, buf: Vec<u8>, rbuf: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>)> {
-    let mut rbuf = rbuf;
+fn round_trip(g: &ProcessGroup, buf: Vec<u8>, mut rbuf: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>)> {
     if buf.len() <= BLOCKING_MAX {
         if g.rank() == 0 {
             g.send(&buf, 1, 0)?;

@@ -10,7 +10,7 @@ use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::intranode::{self, Arena, ArenaConfig};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::transport::frame::{Fingerprint, LANE_MAX};
+use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::{Engine, EngineConfig, Envelope, Fast};
 use crate::transport::{
     advertise_ip, connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING,
@@ -527,6 +527,14 @@ impl Inner {
         self.engine.clone()
     }
 
+    /// `env` with its context made absolute (it is relative to the group's contexts).
+    fn scoped(&self, env: Envelope) -> Envelope {
+        Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        }
+    }
+
     /// Posts a send to group rank `dst`; `env.ctx` is relative to the group's contexts.
     pub(crate) fn post_send<B: 'static>(
         &self,
@@ -538,10 +546,7 @@ impl Inner {
         if let Some(m) = &self.mpi {
             return m.isend(env, buf, dst, self.timeout);
         }
-        let env = Envelope {
-            ctx: self.ctx + env.ctx,
-            ..env
-        };
+        let env = self.scoped(env);
         let (id, cell) = self.engine.isend(env, buf, g);
         Ok(
             Work::new(cell, self.driver(), id, env.op, Some(dst), self.timeout)
@@ -559,14 +564,11 @@ impl Inner {
         dst: usize,
         timeout: Duration,
     ) -> Option<Result<()>> {
-        if self.mpi.is_some() || data.len() > LANE_MAX {
+        if self.mpi.is_some() {
             return None;
         }
         let g = self.global(env.op, dst).ok()?;
-        let env = Envelope {
-            ctx: self.ctx + env.ctx,
-            ..env
-        };
+        let env = self.scoped(env);
         match self.engine.send_small(env, data, g) {
             Fast::Declined => None,
             Fast::Done(r) => Some(r.map(|_| ())),
@@ -591,11 +593,7 @@ impl Inner {
             return None;
         }
         let g = self.global(env.op, src).ok()?;
-        let env = Envelope {
-            ctx: self.ctx + env.ctx,
-            ..env
-        };
-        let r = self.engine.recv_small(env, out, g)?;
+        let r = self.engine.recv_small(self.scoped(env), out, g)?;
         Some(r.map(|st| Status { peer: src, ..st }))
     }
 
@@ -621,10 +619,7 @@ impl Inner {
         if let Some(m) = &self.mpi {
             return m.irecv(env, buf, src, self.timeout);
         }
-        let env = Envelope {
-            ctx: self.ctx + env.ctx,
-            ..env
-        };
+        let env = self.scoped(env);
         let (id, cell) = self.engine.irecv(env, buf, g);
         Ok(Work::new(cell, self.driver(), id, op, src, self.timeout).with_map(self.map()))
     }
@@ -932,8 +927,7 @@ impl ProcessGroup {
         {
             return r;
         }
-        let mut w: Work<Vec<T>> =
-            self.user_send("send", Box::new(data.to_vec()), T::DTYPE, dst, tag)?;
+        let mut w: Work<Vec<T>> = self.inner.post_send(env, Box::new(data.to_vec()), dst)?;
         w.wait_timeout(timeout).map(|_| ())
     }
 
@@ -961,7 +955,7 @@ impl ProcessGroup {
             return r;
         }
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.user_recv("recv", Box::new(buf), T::DTYPE, Some(src), tag)?;
+        let w = self.inner.post_recv(env, Box::new(buf), Some(src))?;
         finish_recv(w, out, timeout)
     }
 

@@ -212,6 +212,13 @@ impl Ring {
         (w & !ACK_REFUSED == seq).then_some(w & ACK_REFUSED == 0)
     }
 
+    /// Whether the ring holds bytes its consumer has not read (the head is the consumer's own
+    /// word: a cache hit on its side while nothing moves).
+    fn unread(&self) -> bool {
+        let head = self.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        self.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
+    }
+
     /// Whether the lane holds a message after the `taken` slots the consumer took.
     fn lane_ready(&self, taken: u64) -> bool {
         self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == (taken + 1) & SEQ_MASK
@@ -535,13 +542,11 @@ impl ShmLink {
                 .store(1, Ordering::Relaxed);
         }
         fence(Ordering::SeqCst);
-        let rx_head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
-        let rx_tail = self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire);
         let tx_tail = self.tx.atomic64(OFF_TAIL).load(Ordering::Relaxed);
         let tx_head = self.tx.atomic64(OFF_HEAD).load(Ordering::Acquire);
         let writable = tx_tail.wrapping_sub(tx_head) < self.tx.cap
             && self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire) == self.tx_lane.get();
-        rx_tail != rx_head || self.rx.lane_ready(self.rx_lane.get()) || (want_room && writable)
+        self.rx.unread() || self.rx.lane_ready(self.rx_lane.get()) || (want_room && writable)
     }
 
     /// After waking: lowers our flags so the peer stops ringing.
@@ -576,16 +581,14 @@ impl ShmWatch {
 
     /// Whether the peer wrote something we have not taken: a lane message, or ring bytes.
     pub fn incoming(&self) -> bool {
-        // Our own published counts: cache hits while nothing moves.
+        // Our own published count: a cache hit while nothing moves.
         let taken = self.rx.atomic64(OFF_LANE_HEAD).load(Ordering::Relaxed);
-        let head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
-        self.rx.lane_ready(taken) || self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
+        self.rx.lane_ready(taken) || self.rx.unread()
     }
 
     /// Whether the peer wrote ring bytes we have not read.
     pub fn ring_incoming(&self) -> bool {
-        let head = self.rx.atomic64(OFF_HEAD).load(Ordering::Relaxed);
-        self.rx.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
+        self.rx.unread()
     }
 }
 

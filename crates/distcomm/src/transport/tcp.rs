@@ -74,6 +74,38 @@ pub(crate) struct Envelope {
     pub fp: Fingerprint,
 }
 
+impl Envelope {
+    /// The Eager header of message `msg_id` of `len` bytes.
+    fn eager(&self, msg_id: u64, len: usize) -> Header {
+        Header {
+            kind: Kind::Eager,
+            dtype: self.dtype,
+            ctx: self.ctx,
+            tag: self.tag,
+            aux: 0,
+            msg_id,
+            len: len as u64,
+            fp: self.fp,
+        }
+    }
+
+    /// The pending send of `len` bytes to `dst` that completes `cell`.
+    fn pending(&self, dst: usize, len: usize, cell: Arc<OpCell>) -> PendingSend {
+        PendingSend {
+            op: self.op,
+            dtype: self.dtype,
+            fp: self.fp,
+            dst,
+            ctx: self.ctx,
+            tag: self.tag,
+            len,
+            cell,
+            buf: None,
+            lent: false,
+        }
+    }
+}
+
 /// Tuning of the engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -204,7 +236,7 @@ struct Posted {
 
 impl Posted {
     fn matches(&self, src: usize, h: &Header) -> bool {
-        self.ctx == h.ctx && self.tag == h.tag && self.src.is_none_or(|s| s == src)
+        self.could_take(src, h.ctx, h.tag)
     }
 
     /// Whether a message with (`ctx`, `tag`) from `src` could match it.
@@ -731,13 +763,18 @@ impl State {
         self.reply(src, control(kind, h.msg_id, aux, len, dtype, fp));
     }
 
+    /// The link to `p` when it is a shared-memory one (its socket carries the doorbell), with
+    /// its shared-memory side.
+    fn shm_link(&self, p: usize) -> Option<(&Link, &ShmLink)> {
+        let link = &self.peers.get(p)?.as_ref()?.link;
+        Some((link, link.shm.as_ref()?))
+    }
+
     /// Writes the answer word of lane message `seq` from `p`, ringing `p` if it sleeps.
     fn lane_answer(&mut self, p: usize, seq: u64, refused: bool) {
-        if let Some(Some(peer)) = self.peers.get(p) {
-            if let Some(link) = &peer.link.shm {
-                if link.lane_answer(seq, refused) {
-                    peer.link.ring();
-                }
+        if let Some((link, shm)) = self.shm_link(p) {
+            if shm.lane_answer(seq, refused) {
+                link.ring();
             }
         }
     }
@@ -1170,13 +1207,14 @@ impl State {
         if peer.dead.is_some() || !peer.out.is_empty() || data.len() > LANE_MAX {
             return None;
         }
+        // The answer word this message would use is free, or not needed.
         let at = (link.next_lane_seq() % LANE_ACKS) as usize;
-        let free = match peer.lane_waits.get(at)? {
-            _ if matches!(owner, Owner::Nobody) => true,
-            None => true,
-            Some(LaneWait::Caller { seq, .. }) => link.answered(*seq) == Some(true),
-            Some(LaneWait::Op { .. }) => false,
-        };
+        let free = matches!(owner, Owner::Nobody)
+            || match peer.lane_waits.get(at)? {
+                None => true,
+                Some(LaneWait::Caller { seq, .. }) => link.answered(*seq) == Some(true),
+                Some(LaneWait::Op { .. }) => false,
+            };
         if !free {
             return None;
         }
@@ -1204,11 +1242,7 @@ impl State {
     /// The next message of `p`'s lane, if one is there, with its decoded header; nothing is
     /// taken until [`State::lane_release`].
     fn lane_peek(&self, p: usize) -> std::result::Result<Option<(Header, LaneMsg)>, String> {
-        let Some(link) = self
-            .peers
-            .get(p)
-            .and_then(|x| x.as_ref()?.link.shm.as_ref())
-        else {
+        let Some((_, link)) = self.shm_link(p) else {
             return Ok(None);
         };
         let mut head = [0u8; LANE_HEAD];
@@ -1222,11 +1256,7 @@ impl State {
 
     /// Copies the payload of lane message `m` from `p` into `dst`.
     fn lane_copy(&self, p: usize, m: LaneMsg, dst: &mut [u8]) {
-        if let Some(link) = self
-            .peers
-            .get(p)
-            .and_then(|x| x.as_ref()?.link.shm.as_ref())
-        {
+        if let Some((_, link)) = self.shm_link(p) {
             link.lane_copy(m, dst);
         }
     }
@@ -1234,11 +1264,9 @@ impl State {
     /// Releases lane message `m` from `p`; with `accept`, also writes its answer word
     /// "accepted" (one fence for both).
     fn lane_release(&mut self, p: usize, m: LaneMsg, accept: bool) {
-        if let Some(Some(peer)) = self.peers.get(p) {
-            if let Some(link) = &peer.link.shm {
-                if link.lane_release(m, accept.then_some(false)) {
-                    peer.link.ring();
-                }
+        if let Some((link, shm)) = self.shm_link(p) {
+            if shm.lane_release(m, accept.then_some(false)) {
+                link.ring();
             }
         }
     }
@@ -1249,16 +1277,16 @@ impl State {
         let mut any = false;
         while let Some((h, m)) = self.lane_peek(p)? {
             any = true;
-            let mut data = vec![0u8; m.len];
-            self.lane_copy(p, m, &mut data);
-            self.lane_release(p, m, false);
-            self.lane_arrived(p, h, data);
+            self.lane_deliver(p, h, m);
         }
         Ok(any)
     }
 
-    /// A lane message arrived whole: deliver it like an eager frame's payload.
-    fn lane_arrived(&mut self, p: usize, h: Header, data: Vec<u8>) {
+    /// Takes lane message `m` from `p` and delivers it like an eager frame's payload.
+    fn lane_deliver(&mut self, p: usize, h: Header, m: LaneMsg) {
+        let mut data = vec![0u8; m.len];
+        self.lane_copy(p, m, &mut data);
+        self.lane_release(p, m, false);
         if !self.cancelled.is_empty() && self.cancelled.contains_key(&(h.ctx, h.tag)) {
             self.refuse_cancelled(p, &h);
         } else {
@@ -1350,10 +1378,7 @@ impl State {
                 }
             };
             if (h.ctx, h.tag) != (ctx, tag) {
-                let mut data = vec![0u8; m.len];
-                self.lane_copy(p, m, &mut data);
-                self.lane_release(p, m, false);
-                self.lane_arrived(p, h, data);
+                self.lane_deliver(p, h, m);
                 continue;
             }
             let cap = out.len() as u64;
@@ -1412,18 +1437,7 @@ impl State {
         }
         let id = self.alloc_id();
         let cell = Arc::new(OpCell::default());
-        let pending = PendingSend {
-            op: env.op,
-            dtype: env.dtype,
-            fp: env.fp,
-            dst: p,
-            ctx: env.ctx,
-            tag: env.tag,
-            len,
-            cell: cell.clone(),
-            buf: None,
-            lent: false,
-        };
+        let pending = env.pending(p, len, cell.clone());
         if let Some(h) = nack {
             self.sends.insert(id, pending);
             let _ = self.on_header(p, Header { msg_id: id, ..h });
@@ -1909,7 +1923,7 @@ impl State {
     }
 
     fn is_shm(&self, p: usize) -> bool {
-        matches!(self.peers.get(p), Some(Some(peer)) if peer.link.shm.is_some())
+        self.shm_link(p).is_some()
     }
 
     /// The doorbell socket of shared-memory peer `p` is readable: drain it. If it closed, the
@@ -2146,15 +2160,11 @@ impl Engine {
         cfg: EngineConfig,
     ) -> Result<Arc<Engine>> {
         let mut peers = Vec::with_capacity(streams.len());
-        let mut watch = Vec::with_capacity(streams.len());
         let mut links = links.into_iter();
         for s in streams {
             let shm = links.next().flatten();
             peers.push(match s {
-                None => {
-                    watch.push(None);
-                    None
-                }
+                None => None,
                 Some(stream) => {
                     stream
                         .set_nonblocking(true)
@@ -2163,7 +2173,6 @@ impl Engine {
                         .set_nodelay(true)
                         .map_err(|e| Error::io("set TCP_NODELAY", e))?;
                     let shm_peer = shm.is_some();
-                    watch.push(shm.as_ref().map(ShmLink::watch));
                     let local = same_host(&stream) || shm_peer;
                     let sockbuf = cfg.sockbuf.unwrap_or(if local { LOCAL_SOCKBUF } else { 0 });
                     if sockbuf > 0 && shm.is_none() {
@@ -2191,6 +2200,10 @@ impl Engine {
                 }
             });
         }
+        let watch = peers
+            .iter()
+            .map(|p| p.as_ref()?.link.shm.as_ref().map(ShmLink::watch))
+            .collect();
         let (wake_tx, wake_rx) =
             UnixStream::pair().map_err(|e| Error::io("create wake pipe", e))?;
         for s in [&wake_tx, &wake_rx] {
@@ -2236,39 +2249,13 @@ impl Engine {
 
     /// Posts a send. The buffer is owned by the engine until the returned cell completes.
     pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
-        let Envelope {
-            op,
-            dtype,
-            ctx,
-            tag,
-            fp,
-        } = env;
+        let op = env.op;
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
         let id = st.alloc_id();
         let len = buf.bytes().len();
-        let hdr = Header {
-            kind: Kind::Eager,
-            dtype,
-            ctx,
-            tag,
-            aux: 0,
-            msg_id: id,
-            len: len as u64,
-            fp,
-        };
-        let mut pending = PendingSend {
-            op,
-            dtype,
-            fp,
-            dst,
-            ctx,
-            tag,
-            len,
-            cell: cell.clone(),
-            buf: None,
-            lent: false,
-        };
+        let hdr = env.eager(id, len);
+        let mut pending = env.pending(dst, len, cell.clone());
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
                 op,
@@ -2514,16 +2501,7 @@ impl Engine {
         if data.len() > LANE_MAX || env.fp.kind != 0 {
             return Fast::Declined;
         }
-        let h = Header {
-            kind: Kind::Eager,
-            dtype: env.dtype,
-            ctx: env.ctx,
-            tag: env.tag,
-            aux: 0,
-            msg_id: 0,
-            len: data.len() as u64,
-            fp: env.fp,
-        };
+        let h = env.eager(0, data.len());
         let sent = {
             let mut st = self.sh.lock();
             if st.closed.is_some() {
@@ -2535,7 +2513,8 @@ impl Engine {
         let Some(seq) = sent else {
             return Fast::Declined;
         };
-        if self.fast_wait(|| watch.answered(seq).is_some()) && watch.answered(seq) == Some(true) {
+        self.fast_wait(|| watch.answered(seq).is_some());
+        if watch.answered(seq) == Some(true) {
             return Fast::Done(Ok(Status {
                 peer: dst,
                 tag: env.tag,

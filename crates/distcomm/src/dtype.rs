@@ -17,6 +17,7 @@ pub enum DType {
     BF16 = 6,
     F32 = 7,
     F64 = 8,
+    I16 = 9,
 }
 
 impl DType {
@@ -24,7 +25,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::Bytes | DType::U8 | DType::I8 => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
@@ -42,6 +43,7 @@ impl DType {
             6 => DType::BF16,
             7 => DType::F32,
             8 => DType::F64,
+            9 => DType::I16,
             _ => return None,
         })
     }
@@ -58,6 +60,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F32 => "f32",
             DType::F64 => "f64",
+            DType::I16 => "i16",
         }
     }
 }
@@ -70,7 +73,7 @@ impl fmt::Display for DType {
 
 /// An element type distcomm can send: plain old data with a wire type.
 ///
-/// Implemented for `u8`, `i8`, `i32`, `i64`, `f32`, `f64`, [`half::f16`] and [`half::bf16`].
+/// Implemented for `u8`, `i8`, `i16`, `i32`, `i64`, `f32`, `f64`, [`half::f16`] and [`half::bf16`].
 /// Sealed: the wire type must describe the memory exactly.
 pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
     /// The wire type of this element.
@@ -95,6 +98,7 @@ macro_rules! element {
 element!(
     u8 => U8,
     i8 => I8,
+    i16 => I16,
     i32 => I32,
     i64 => I64,
     f32 => F32,
@@ -116,6 +120,6 @@ mod tests {
         }
         assert_eq!(<half::bf16 as Element>::DTYPE.size(), 2);
         assert_eq!(<f64 as Element>::DTYPE.size(), 8);
-        assert!(DType::from_wire(9).is_none());
+        assert!(DType::from_wire(10).is_none());
     }
 }

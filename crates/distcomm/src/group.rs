@@ -52,6 +52,17 @@ pub struct GroupBuilder {
     transport: Option<TransportKind>,
     store_auth: Option<bool>,
     backend: Option<Backend>,
+    store: Option<GivenStore>,
+}
+
+/// A store handed to [`GroupBuilder::store`] (printed without its contents).
+#[derive(Clone)]
+struct GivenStore(Arc<dyn Store>);
+
+impl std::fmt::Debug for GivenStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<store>")
+    }
 }
 
 /// Which engine carries a group's traffic.
@@ -91,6 +102,7 @@ impl GroupBuilder {
             transport: None,
             store_auth: None,
             backend: None,
+            store: None,
         }
     }
 
@@ -148,6 +160,27 @@ impl GroupBuilder {
         self
     }
 
+    /// Rendezvous through `store` instead of a TCP store at [`store_addr`](Self::store_addr):
+    /// the store a caller already has (torch hands its backends one: a `PrefixStore` over
+    /// torchrun's TCPStore, a `FileStore`, a `HashStore`). No store is hosted and no store port
+    /// is opened; every rank of the job must pass a store over the same data. The address this
+    /// rank advertises to its peers is `DISTCOMM_HOST`, else the interface that routes to
+    /// `MASTER_ADDR`, else loopback (right when every rank is on this host).
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use distcomm::rendezvous::TcpStore;
+    /// let store = Arc::new(TcpStore::connect("127.0.0.1:29500", Duration::from_secs(30))?);
+    /// let group = distcomm::GroupBuilder::new(1, 2).store(store).build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = Some(GivenStore(store));
+        self
+    }
+
     /// Ranks on this host (decides whether waiters may spin). Defaults to the world size.
     pub fn local_world(mut self, n: usize) -> Self {
         self.local_world = Some(n);
@@ -181,7 +214,13 @@ impl GroupBuilder {
         if backend == Backend::Mpi {
             return mpi_world(self.rank, self.world, timeout);
         }
-        let (host, _) = split_host_port(&self.store_addr)?;
+        let host = match &self.store {
+            None => split_host_port(&self.store_addr)?.0,
+            Some(_) => std::env::var("MASTER_ADDR")
+                .ok()
+                .filter(|h| !h.trim().is_empty())
+                .unwrap_or_else(|| "127.0.0.1".into()),
+        };
         let secret = match &self.secret {
             Some(s) => Some(s.clone()),
             None => std::env::var("DISTCOMM_SECRET")
@@ -202,7 +241,9 @@ impl GroupBuilder {
                 ))
             }
         };
-        let server = if self.host_store.unwrap_or(self.rank == 0) {
+        let server = if self.store.is_some() {
+            None
+        } else if self.host_store.unwrap_or(self.rank == 0) {
             let ip = advertise_ip(&host)?;
             let bind_host = if ip.is_loopback() {
                 "127.0.0.1"
@@ -218,12 +259,18 @@ impl GroupBuilder {
         } else {
             None
         };
-        let client: Arc<dyn Store> = Arc::new(match store_secret {
-            Some(s) => TcpStore::connect_authenticated(&self.store_addr, timeout, s)?,
-            None => TcpStore::connect(&self.store_addr, timeout)?,
-        });
-        // torch's worker count: lets a torch-style host see everyone join.
-        client.add("init/", 1)?;
+        let client: Arc<dyn Store> = match &self.store {
+            Some(given) => given.0.clone(),
+            None => {
+                let client: Arc<dyn Store> = Arc::new(match store_secret {
+                    Some(s) => TcpStore::connect_authenticated(&self.store_addr, timeout, s)?,
+                    None => TcpStore::connect(&self.store_addr, timeout)?,
+                });
+                // torch's worker count: lets a torch-style host see everyone join.
+                client.add("init/", 1)?;
+                client
+            }
+        };
         let store = PrefixStore::new("distcomm", client);
         let ip: IpAddr = advertise_ip(&host)?;
         let streams = connect_mesh(
@@ -283,8 +330,9 @@ impl GroupBuilder {
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
         let keep = Keep {
-            _store: Some(store),
+            store: Some(store),
             _server: server,
+            subgroups: Default::default(),
         };
         let group = ProcessGroup {
             inner: Arc::new(Inner::world(
@@ -397,8 +445,9 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGrou
     let engine = Engine::start(rank, streams, links, cfg)?;
     let members = Arc::new((0..world).collect());
     let keep = Keep {
-        _store: None,
+        store: None,
         _server: None,
+        subgroups: Default::default(),
     };
     let mpi = Some(Arc::new(comm));
     Ok(ProcessGroup {
@@ -420,9 +469,16 @@ pub struct ProcessGroup {
 
 /// What keeps the rendezvous alive as long as any group of the job lives.
 struct Keep {
-    _store: Option<PrefixStore>,
+    /// The world's store (namespaced): members-only subgroups agree on their contexts in it.
+    store: Option<PrefixStore>,
     _server: Option<TcpStoreServer>,
+    /// How many members-only subgroups this process made, per member list (global ranks).
+    subgroups: Mutex<std::collections::HashMap<Vec<usize>, u64>>,
 }
+
+/// Members-only subgroups ([`ProcessGroup::subgroup`]) take their contexts from this group
+/// number on, far above those [`ProcessGroup::new_group`] counts out, so the two never meet.
+const SUBGROUP_BASE: u64 = 1 << 28;
 
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
@@ -803,18 +859,110 @@ impl ProcessGroup {
             return Ok(None);
         };
         let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
-        Ok(Some(ProcessGroup {
+        self.child("new_group", members, me, u64::from(id), mpi)
+            .map(Some)
+    }
+
+    /// Creates a subgroup of the group ranks `ranks` (in that order), called **only by its
+    /// members** — the way torch constructs a backend for `new_group`: non-members never take
+    /// part. It runs over this group's connections (no new mesh), with its own message contexts
+    /// and collective sequence; the members agree on the contexts through the job's rendezvous
+    /// store (`ranks[0]` draws a number, the others read it). Members must create subgroups of
+    /// the same ranks in the same order; subgroups of other ranks may be made in any order.
+    ///
+    /// Fails with [`Error::InvalidArgument`] when this rank is not in `ranks`, and on a group
+    /// without a rendezvous store (the MPI backend: use [`new_group`](Self::new_group)).
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// let world = distcomm::init()?;
+    /// if world.rank() < 2 {
+    ///     // Ranks 2.. never call it.
+    ///     let pair = world.subgroup(&[0, 1])?;
+    ///     pair.barrier()?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn subgroup(&self, ranks: &[usize]) -> Result<ProcessGroup> {
+        let invalid = |detail: String| Error::InvalidArgument {
+            op: "subgroup",
+            rank: self.rank(),
+            detail,
+        };
+        let mut seen = vec![false; self.size()];
+        if ranks.is_empty()
+            || ranks
+                .iter()
+                .any(|&r| r >= self.size() || std::mem::replace(&mut seen[r], true))
+        {
+            return Err(invalid(format!(
+                "ranks {ranks:?} must be distinct ranks below {}, at least one",
+                self.size()
+            )));
+        }
+        let me = ranks
+            .iter()
+            .position(|&r| r == self.rank())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "rank {} is not in {ranks:?}: only members create the subgroup",
+                    self.rank()
+                ))
+            })?;
+        let keep = &self.inner.keep;
+        let store = keep.store.as_ref().ok_or_else(|| {
+            invalid("this group has no rendezvous store (MPI backend): use new_group".into())
+        })?;
+        let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
+        let nth = {
+            let mut made = keep.subgroups.lock().unwrap_or_else(|e| e.into_inner());
+            let n = made.entry(members.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let list: Vec<String> = members.iter().map(|m| m.to_string()).collect();
+        let key = format!("subgroup/{}/{nth}", list.join(","));
+        let id = if me == 0 {
+            let id = store.add("subgroup/next", 1)?;
+            store.set(&key, id.to_string().as_bytes())?;
+            id
+        } else {
+            let v = store.get(&key)?;
+            std::str::from_utf8(&v)
+                .ok()
+                .and_then(|t| t.parse::<i64>().ok())
+                .ok_or_else(|| {
+                    Error::StoreProtocol(format!("key {key} holds {v:?}, not a group number"))
+                })?
+        };
+        let id = u64::try_from(id).map_err(|_| invalid(format!("group number {id}")))?;
+        self.child("subgroup", members, me, SUBGROUP_BASE + id, None)
+    }
+
+    /// A group of `members` (global ranks) over this group's engine, numbered `id` among the
+    /// job's groups (its contexts start at `id × 4`).
+    fn child(
+        &self,
+        op: &'static str,
+        members: Vec<usize>,
+        me: usize,
+        id: u64,
+        mpi: Option<Arc<crate::mpi::Comm>>,
+    ) -> Result<ProcessGroup> {
+        let ctx = id
+            .checked_mul(u64::from(CTX_PER_GROUP))
+            .and_then(|c| u32::try_from(c).ok())
+            .ok_or_else(|| Error::InvalidArgument {
+                op,
+                rank: self.rank(),
+                detail: "too many groups".into(),
+            })?;
+        Ok(ProcessGroup {
             inner: Arc::new(Inner {
                 engine: self.inner.engine.clone(),
                 members: Arc::new(members),
                 rank: me,
-                ctx: id
-                    .checked_mul(CTX_PER_GROUP)
-                    .ok_or_else(|| Error::InvalidArgument {
-                        op: "new_group",
-                        rank: self.rank(),
-                        detail: "too many groups".into(),
-                    })?,
+                ctx,
                 timeout: self.inner.timeout,
                 coll_seq: Default::default(),
                 arena: None,
@@ -826,7 +974,7 @@ impl ProcessGroup {
                 keep: self.inner.keep.clone(),
                 mpi,
             }),
-        }))
+        })
     }
 
     pub(crate) fn check_tag(&self, op: &'static str, tag: u32) -> Result<()> {
@@ -892,6 +1040,46 @@ impl ProcessGroup {
     /// the source. World group only.
     pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
         self.user_recv("irecv", Box::new(buf), T::DTYPE, None, tag)
+    }
+
+    /// Starts sending memory lent by another runtime (a torch tensor, say) as elements of
+    /// `dtype`; the operation holds `buf` until it is terminal. See [`isend`](Self::isend).
+    pub fn isend_lent(
+        &self,
+        buf: crate::Lent,
+        dtype: DType,
+        dst: usize,
+        tag: u32,
+    ) -> Result<Work<crate::Lent>> {
+        self.check_lent("isend", &buf, dtype)?;
+        self.user_send("isend", Box::new(buf), dtype, dst, tag)
+    }
+
+    /// Starts receiving into lent memory from `src` (`None`: any source, world group only);
+    /// [`DType::Bytes`] accepts a message of any element type. See [`irecv`](Self::irecv).
+    pub fn irecv_lent(
+        &self,
+        buf: crate::Lent,
+        dtype: DType,
+        src: Option<usize>,
+        tag: u32,
+    ) -> Result<Work<crate::Lent>> {
+        self.check_lent("irecv", &buf, dtype)?;
+        self.user_recv("irecv", Box::new(buf), dtype, src, tag)
+    }
+
+    fn check_lent(&self, op: &'static str, buf: &crate::Lent, dtype: DType) -> Result<()> {
+        if buf.len() % dtype.size() != 0 {
+            return Err(Error::InvalidArgument {
+                op,
+                rank: self.rank(),
+                detail: format!(
+                    "{} bytes are not a whole number of {dtype} elements",
+                    buf.len()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Sends raw bytes (element type `bytes`).

@@ -57,7 +57,7 @@ pub use pipeline::{PipeStage, Tensor, TensorWork};
 pub use reduce::{ReduceOp, Reducible};
 pub use staging::{CopyStats, StagedWork};
 pub use transport::TransportKind;
-pub use work::{Status, Work};
+pub use work::{Lent, Status, Work};
 
 /// The README's examples, compiled as doctests so that they cannot drift from the API.
 #[doc = include_str!("../../../README.md")]

@@ -1386,6 +1386,7 @@ mod imp {
             match d {
                 DType::Bytes | DType::U8 => ffi::RSMPI_UINT8_T,
                 DType::I8 => ffi::RSMPI_INT8_T,
+                DType::I16 => ffi::RSMPI_INT16_T,
                 DType::I32 => ffi::RSMPI_INT32_T,
                 DType::I64 => ffi::RSMPI_INT64_T,
                 DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,

@@ -127,7 +127,7 @@ macro_rules! int_kernels {
 }
 
 float_kernels!(f32, f64);
-int_kernels!(u8, i8, i32, i64);
+int_kernels!(u8, i8, i16, i32, i64);
 
 macro_rules! half_kernels {
     ($($t:ty),*) => {$(

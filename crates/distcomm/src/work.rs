@@ -167,6 +167,79 @@ impl WireBuf for RawView {
     }
 }
 
+/// Memory owned by someone else — a tensor of another runtime — lent to one operation, with
+/// whatever keeps it alive. The operation holds the `Lent` (and so its owner) until it is
+/// terminal, whether or not its [`Work`] handle is still there; it comes back from
+/// [`Work::into_buffer`]. Used by [`ProcessGroup::isend_lent`](crate::ProcessGroup::isend_lent)
+/// and [`ProcessGroup::irecv_lent`](crate::ProcessGroup::irecv_lent); Rust code with its own
+/// buffers passes a `Vec` instead, which needs no `unsafe`.
+///
+/// ```
+/// let mut data = vec![7u8; 64];
+/// let ptr = data.as_mut_ptr();
+/// // SAFETY: `data` moves into the owner: it lives, unmoved on the heap, as long as the Lent,
+/// // and nothing else touches it meanwhile.
+/// let lent = unsafe { distcomm::Lent::new(ptr, 64, Box::new(data)) };
+/// assert_eq!(lent.len(), 64);
+/// ```
+pub struct Lent {
+    ptr: *mut u8,
+    len: usize,
+    _owner: Box<dyn Any + Send>,
+}
+
+// SAFETY: the creator of a Lent guarantees (see `Lent::new`) that the memory stays valid while
+// the Lent lives and that no one else accesses it meanwhile; the engine touches it from one
+// thread at a time, under its lock. Moving the pointer between threads is then sound.
+unsafe impl Send for Lent {}
+
+impl Lent {
+    /// Lends `len` bytes at `ptr`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid for reads and writes for as long as `owner` lives (the
+    /// `Lent` drops it last), and nothing else may read it while a receive into it is in flight
+    /// or write it while a send from it is. `ptr` may dangle only when `len` is 0.
+    pub unsafe fn new(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send>) -> Lent {
+        Lent {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// Bytes lent.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no bytes are lent.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl WireBuf for Lent {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: valid for `len` bytes while the Lent lives, and not written by anyone else
+        // meanwhile (`Lent::new`'s contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `bytes`, and no one else accesses it meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
 #[derive(Default)]
 struct Slot {
     result: Option<Result<Status>>,
@@ -416,9 +489,9 @@ impl<B: 'static> Work<B> {
         self.wait_shared(timeout)
     }
 
-    /// [`wait_timeout`](Self::wait_timeout) through a shared reference (for wrappers that let
-    /// several threads wait on one operation).
-    pub(crate) fn wait_shared(&self, timeout: Duration) -> Result<Status> {
+    /// [`wait_timeout`](Self::wait_timeout) through a shared reference, for wrappers that let
+    /// several threads wait on one operation (the Python package's handles do).
+    pub fn wait_shared(&self, timeout: Duration) -> Result<Status> {
         if !self.cell.is_done() && !self.drive(timeout) {
             return Err(Error::Timeout {
                 op: self.op,
@@ -442,6 +515,14 @@ impl<B: 'static> Work<B> {
     fn drive(&self, timeout: Duration) -> bool {
         self.driver
             .drive_until(&self.cell, &mut Deadline::after(timeout))
+    }
+
+    /// Gives up the handle and lets the operation run to its end on its own: unlike dropping a
+    /// pending receive's handle, which withdraws it, a detached receive still takes its message.
+    /// The buffer is dropped once the operation is terminal (for a [`Lent`], that releases its
+    /// owner); its outcome is not reported anywhere.
+    pub fn detach(mut self) {
+        self.withdraw_on_drop = false;
     }
 
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error

@@ -395,6 +395,56 @@ fn subgroups_disjoint_and_overlapping() {
 }
 
 #[test]
+fn subgroups_made_by_members_only() {
+    // torch's way: only members construct a group. Evens and odds are made in opposite
+    // orders on their members, non-members never call, and a subgroup of a subgroup works.
+    run_native("subgroups_made_by_members_only", &[1, 2, 4, 5], |g| {
+        let (n, r) = (g.size(), g.rank());
+        let evens: Vec<usize> = (0..n).step_by(2).collect();
+        let odds: Vec<usize> = (1..n).step_by(2).collect();
+        let mine = if r % 2 == 0 { &evens } else { &odds };
+        let pair: Vec<usize> = if n > 1 { vec![0, n - 1] } else { vec![0] };
+        let (sub, p) = if r % 2 == 0 {
+            let s = g.subgroup(mine).unwrap();
+            (s, pair.contains(&r).then(|| g.subgroup(&pair).unwrap()))
+        } else {
+            let p = pair.contains(&r).then(|| g.subgroup(&pair).unwrap());
+            (g.subgroup(mine).unwrap(), p)
+        };
+        assert_eq!(sub.size(), mine.len());
+        let mut x = vec![r as i64; 3];
+        sub.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, vec![mine.iter().sum::<usize>() as i64; 3]);
+        if let Some(p) = p {
+            let mut y = [1i32];
+            p.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+            assert_eq!(
+                y[0] as usize,
+                pair.iter().collect::<std::collections::HashSet<_>>().len()
+            );
+        }
+        // The same members twice: two groups with contexts of their own.
+        let again = g.subgroup(mine).unwrap();
+        let mut z = [2.0f32];
+        again.all_reduce(&mut z, ReduceOp::Max).unwrap();
+        assert_eq!(z[0], 2.0);
+        // A subgroup of the subgroup (its ranks are the subgroup's).
+        if sub.size() >= 2 && sub.rank() < 2 {
+            let inner = sub.subgroup(&[1, 0]).unwrap();
+            assert_eq!(inner.global_rank(inner.rank()), Some(r));
+            inner.barrier().unwrap();
+        }
+        assert!(g.subgroup(&[]).is_err());
+        if n > 1 {
+            let others: Vec<usize> = (0..n).filter(|&q| q != r).collect();
+            let e = g.subgroup(&others).unwrap_err();
+            assert!(e.to_string().contains("only members"), "{e}");
+        }
+        g.barrier().unwrap();
+    });
+}
+
+#[test]
 fn desync_is_an_error_on_every_involved_rank() {
     run_native("desync_is_an_error_on_every_involved_rank", &[2, 3], |g| {
         let r = g.rank();

@@ -795,3 +795,83 @@ fn blocking_small_calls_to_a_peer_that_exits_fail() {
         },
     );
 }
+
+/// Owner of lent memory that counts its drops, to see when the operation lets go of it.
+struct Owner(
+    #[allow(dead_code)] Vec<u8>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn lend(
+    len: usize,
+    fill: u8,
+    drops: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> (distcomm::Lent, *const u8) {
+    let mut v = vec![fill; len];
+    let ptr = v.as_mut_ptr();
+    // SAFETY: the vector moves into the owner (its heap memory does not move) and nothing else
+    // touches it while the Lent lives.
+    let lent = unsafe { distcomm::Lent::new(ptr, len, Box::new(Owner(v, drops.clone()))) };
+    (lent, ptr)
+}
+
+#[test]
+fn lent_memory_is_held_until_the_operation_ends() {
+    run(
+        "lent_memory_is_held_until_the_operation_ends",
+        &[2, 3],
+        |g| {
+            use std::sync::atomic::Ordering;
+            let (next, prev) = ring(g);
+            let drops = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            for len in [0usize, 8, 1000, 70_000, 1 << 20] {
+                let (rl, rptr) = lend(len, 0, &drops);
+                let mut rw = g
+                    .irecv_lent(rl, distcomm::DType::U8, Some(prev), 9)
+                    .unwrap();
+                let (sl, _) = lend(len, g.rank() as u8 + 1, &drops);
+                let mut sw = g.isend_lent(sl, distcomm::DType::U8, next, 9).unwrap();
+                let st = rw.wait().unwrap();
+                assert_eq!((st.peer, st.bytes), (prev, len));
+                let back = rw.into_buffer().unwrap();
+                assert_eq!(back.len(), len);
+                // SAFETY: the receive is complete and `back` (holding the memory) is alive.
+                let got = unsafe { std::slice::from_raw_parts(rptr, len) };
+                assert!(got.iter().all(|&b| b == prev as u8 + 1), "len {len}");
+                drop(back);
+                sw.wait().unwrap();
+                drop(sw);
+            }
+            // A detached receive still takes its message; its owner goes once it has.
+            let before = drops.load(Ordering::SeqCst);
+            let (rl, _) = lend(64, 0, &drops);
+            g.irecv_lent(rl, distcomm::DType::Bytes, Some(prev), 10)
+                .unwrap()
+                .detach();
+            g.barrier().unwrap();
+            g.send(&[7u8; 64], next, 10).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while drops.load(Ordering::SeqCst) == before && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(
+                drops.load(Ordering::SeqCst),
+                before + 1,
+                "the detached receive let go of its owner"
+            );
+            // A length that is not whole elements is refused before anything is sent.
+            let (bad, _) = lend(6, 0, &drops);
+            assert!(matches!(
+                g.isend_lent(bad, distcomm::DType::F32, next, 11),
+                Err(Error::InvalidArgument { .. })
+            ));
+            g.barrier().unwrap();
+        },
+    );
+}

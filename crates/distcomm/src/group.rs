@@ -573,7 +573,7 @@ impl Inner {
             Fast::Declined => None,
             Fast::Done(r) => Some(r.map(|_| ())),
             Fast::Handed(id, cell) => {
-                let mut w: Work<()> =
+                let w: Work<()> =
                     Work::new(cell, self.driver(), id, env.op, Some(dst), self.timeout)
                         .detach_on_drop();
                 Some(w.wait_timeout(timeout).map(|_| ()))
@@ -927,7 +927,7 @@ impl ProcessGroup {
         {
             return r;
         }
-        let mut w: Work<Vec<T>> = self.inner.post_send(env, Box::new(data.to_vec()), dst)?;
+        let w: Work<Vec<T>> = self.inner.post_send(env, Box::new(data.to_vec()), dst)?;
         w.wait_timeout(timeout).map(|_| ())
     }
 
@@ -988,10 +988,10 @@ impl ProcessGroup {
                 // acknowledgement to wait for (half the time of a round).
                 fp: Fingerprint::BARRIER,
             };
-            let mut r: Work<Vec<u8>> =
+            let r: Work<Vec<u8>> =
                 self.inner
                     .post_recv(env, Box::new(Vec::<u8>::new()), Some(from))?;
-            let mut s: Work<Vec<u8>> = self.inner.post_send(env, Box::new(Vec::<u8>::new()), to)?;
+            let s: Work<Vec<u8>> = self.inner.post_send(env, Box::new(Vec::<u8>::new()), to)?;
             r.wait()?;
             s.wait()?;
             dist *= 2;
@@ -1027,11 +1027,7 @@ fn user(op: &'static str, dtype: DType, tag: u32) -> Envelope {
     }
 }
 
-fn finish_recv<T: Element>(
-    mut w: Work<Vec<T>>,
-    out: &mut [T],
-    timeout: Duration,
-) -> Result<Status> {
+fn finish_recv<T: Element>(w: Work<Vec<T>>, out: &mut [T], timeout: Duration) -> Result<Status> {
     let status = w.wait_timeout(timeout)?;
     let buf = w.into_buffer()?;
     let n = status.bytes / std::mem::size_of::<T>().max(1);

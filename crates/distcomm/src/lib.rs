@@ -18,7 +18,7 @@
 //! # fn main() -> distcomm::Result<()> {
 //! let group = distcomm::init()?; // e.g. under `distcomm launch -n 2 -- ./my_prog`
 //! let peer = 1 - group.rank();
-//! let mut recv = group.irecv(vec![0i64; 3], peer, 0)?;
+//! let recv = group.irecv(vec![0i64; 3], peer, 0)?;
 //! let send = group.isend(vec![group.rank() as i64; 3], peer, 0)?;
 //! recv.wait()?;
 //! assert_eq!(recv.into_buffer()?, vec![peer as i64; 3]);

@@ -269,7 +269,12 @@ impl Inner {
                     tag,
                     fp: call.fingerprint(),
                 };
-                self.engine.cancel_collective(env, desync, &self.members);
+                let lost = match e {
+                    Error::PeerLost { peer, .. } => Some(*peer),
+                    _ => None,
+                };
+                self.engine
+                    .cancel_collective(env, desync, lost, &self.members);
             }
         }
     }

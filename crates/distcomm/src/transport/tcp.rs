@@ -520,6 +520,13 @@ struct Cancel {
     dtype: DType,
     /// Whether it found a desync (otherwise another error).
     desync: bool,
+    /// The peer whose loss made it fail, when that was the cause.
+    lost: Option<usize>,
+}
+
+/// The `aux` word of a Cancel frame: bit 0 desync, bits 8.. the lost peer + 1 (0: none).
+fn cancel_aux(desync: bool, lost: Option<usize>) -> u32 {
+    u32::from(desync) | lost.map_or(0, |p| (p as u32).saturating_add(1) << 8)
 }
 
 impl Cancel {
@@ -527,6 +534,16 @@ impl Cancel {
     fn error(&self, rank: usize, op: &'static str, fp: Fingerprint, dtype: DType) -> Error {
         let theirs = self.fp.describe(self.dtype);
         match (self.desync, self.by == rank) {
+            (false, false) if self.lost.is_some_and(|p| p != rank) => Error::PeerLost {
+                op,
+                rank,
+                peer: self.lost.unwrap_or(self.by),
+                reason: format!(
+                    "rank {} lost its connection to it during collective {theirs} and cancelled \
+                     the collective",
+                    self.by
+                ),
+            },
             (true, false) => Error::Desync {
                 op,
                 rank,
@@ -1474,11 +1491,16 @@ impl State {
     fn cancel_collective_from(&mut self, p: usize, h: &Header) {
         let key = (h.ctx, h.tag);
         let rank = self.rank;
+        let lost = (h.aux >> 8)
+            .checked_sub(1)
+            .map(|l| l as usize)
+            .filter(|&l| l < self.peers.len());
         let cancel = Cancel {
             by: p,
             fp: h.fp,
             dtype: h.dtype,
-            desync: h.aux == 1,
+            desync: h.aux & 1 == 1,
+            lost,
         };
         let (hit, kept): (VecDeque<Posted>, VecDeque<Posted>) =
             self.posted.drain(..).partition(|r| (r.ctx, r.tag) == key);
@@ -2405,7 +2427,14 @@ impl Engine {
 
     /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
     /// operations of it fail too instead of waiting for us; refuses its later messages here.
-    pub(crate) fn cancel_collective(&self, env: Envelope, desync: bool, peers: &[usize]) {
+    /// `lost`: the peer whose loss failed it, if that was the cause (the others name it then).
+    pub(crate) fn cancel_collective(
+        &self,
+        env: Envelope,
+        desync: bool,
+        lost: Option<usize>,
+        peers: &[usize],
+    ) {
         let Envelope {
             dtype,
             ctx,
@@ -2420,13 +2449,14 @@ impl Engine {
             fp,
             dtype,
             desync,
+            lost,
         });
         let hdr = Header {
             kind: Kind::Cancel,
             dtype,
             ctx,
             tag,
-            aux: u32::from(desync),
+            aux: cancel_aux(desync, lost),
             msg_id: 0,
             len: 0,
             fp,

@@ -78,6 +78,12 @@ fn run_launch(a: LaunchArgs) -> distcomm::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The library's events: `DISTCOMM_DEBUG` (and `DISTCOMM_DEBUG_SUBSYS`) when set, else
+    // warnings only.
+    if let Err(e) = distcomm::diag::install_stderr(Some("distcomm=warn")) {
+        eprintln!("distcomm: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.cmd {
         Cmd::Launch(a) => run_launch(a),
         Cmd::Bench(a) => bench::run(a),

@@ -164,6 +164,7 @@ impl GroupBuilder {
     }
 
     pub fn build(self) -> Result<ProcessGroup> {
+        crate::diag::install_default()?;
         if self.world == 0 || self.rank >= self.world {
             return Err(Error::Config(format!(
                 "rank {} is not inside a world of {}",
@@ -282,6 +283,20 @@ impl GroupBuilder {
             max_bytes: env_u64("DISTCOMM_SHM_ALLREDUCE_MAX")?.map_or(usize::MAX, |b| b as usize),
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
+        let ready = crate::diag::Ready {
+            store: self.store_addr.clone(),
+            hosts_store: server.is_some(),
+            secret: secret.is_some(),
+            store_auth,
+            arena: crate::diag::Ready::arena_state(
+                arena.is_some(),
+                arena_cfg.enabled,
+                all_shm,
+                self.world,
+            ),
+            spin,
+            oversubscribed,
+        };
         let keep = Keep {
             _store: Some(store),
             _server: server,
@@ -293,6 +308,7 @@ impl GroupBuilder {
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
+        ready.log(&group);
         Ok(group)
     }
 }
@@ -366,6 +382,7 @@ fn split_host_port(addr: &str) -> Result<(String, u16)> {
 /// # Ok(()) }
 /// ```
 pub fn init() -> Result<ProcessGroup> {
+    crate::diag::install_default()?;
     if Backend::from_env()? == Backend::Mpi {
         // MPI connects the ranks: no store address is needed, and the launcher's variables
         // only have to agree with MPI's view when they are there.
@@ -401,6 +418,8 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGrou
         _server: None,
     };
     let mpi = Some(Arc::new(comm));
+    tracing::info!(target: "distcomm::init", rank, world, host = %crate::diag::host_name(),
+        pid = std::process::id(), backend = "mpi", "rank {rank} of {world} ready");
     Ok(ProcessGroup {
         inner: Arc::new(Inner::world(
             engine, members, rank, timeout, keep, None, mpi,

@@ -30,6 +30,7 @@ pub mod algorithms;
 mod collectives;
 pub mod commslog;
 pub mod device;
+pub mod diag;
 pub mod dtype;
 pub mod env;
 pub mod error;

@@ -1,6 +1,6 @@
 //! Errors as users see them: what `fn main() -> distcomm::Result<()>` prints (the `Debug`
 //! form), the hints of errors with a likely fix, and a dead rank named by every survivor, over
-//! the shared-memory arena and over TCP.
+//! the shared-memory arena and over TCP. Diagnostics (`DISTCOMM_DEBUG`) at the end.
 
 mod common;
 
@@ -157,4 +157,70 @@ fn a_dead_rank_is_named_by_every_survivor_over_tcp() {
         &[("DISTCOMM_TRANSPORT", "tcp")],
         every_survivor_names_the_dead_rank,
     );
+}
+
+/// A rank of a job with `DISTCOMM_DEBUG=INFO` and no subscriber of its own.
+#[test]
+fn child_rank_with_debug_info() {
+    if !is_child("child_rank_with_debug_info") {
+        return;
+    }
+    let g = distcomm::init().unwrap();
+    let mut x = vec![1f32; 8];
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x, vec![g.size() as f32; 8]);
+}
+
+/// Launches a 2-rank job of [`child_rank_with_debug_info`] (prefixing each rank's output, as
+/// `distcomm launch` does), so that the test above it can read what the ranks printed.
+#[test]
+fn child_launch_debug_job() {
+    if !is_child("child_launch_debug_job") {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut cfg = distcomm::launch::LaunchConfig::local(2, exe.as_os_str());
+    let name = "child_rank_with_debug_info";
+    cfg.args = vec![name.into(), "--exact".into(), "--nocapture".into()];
+    cfg.env = vec![(CHILD.into(), name.into())];
+    cfg.timeout = Some(Duration::from_secs(60));
+    distcomm::launch::launch(&cfg).unwrap();
+}
+
+#[test]
+fn distcomm_debug_says_how_each_rank_is_set_up() {
+    if mpi_mode().is_some() || std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let text = child_output(
+        "child_launch_debug_job",
+        &[
+            ("DISTCOMM_DEBUG", "DEBUG"),
+            ("DISTCOMM_DEBUG_SUBSYS", "init,coll"),
+        ],
+    );
+    println!("{text}");
+    for rank in 0..2 {
+        let ready = format!("rank {rank} of 2 ready");
+        let line = text
+            .lines()
+            .find(|l| l.contains(&ready))
+            .unwrap_or_else(|| panic!("no {ready:?} in\n{text}"));
+        for field in [
+            "INFO",
+            "distcomm::init",
+            "world=2",
+            "host=",
+            "backend=\"native\"",
+            "auth=",
+        ] {
+            assert!(line.contains(field), "no {field} in {line}");
+        }
+        assert!(text.contains(&format!("links of rank {rank}: ")), "{text}");
+    }
+    // DEBUG: the algorithm of each collective (the all_reduce and init's barrier).
+    assert!(text.contains("distcomm::coll"), "{text}");
+    assert!(text.contains("all_reduce by"), "{text}");
+    // The subsystem filter keeps the per-message events out.
+    assert!(!text.contains("distcomm::msg"), "{text}");
 }

@@ -30,9 +30,21 @@ enum Cmd {
 }
 
 #[derive(clap::Args)]
+#[command(
+    override_usage = "distcomm launch [-n RANKS] [OPTIONS] [--] PROGRAM [ARGS]...",
+    after_help = "Examples:\n  distcomm launch -n 4 -- ./target/release/my_prog --steps 10\n  \
+                  distcomm launch -n 2 -- python train.py\n\nEvery rank gets torchrun's variables \
+                  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and a fresh job \
+                  secret; its output lines are prefixed with [rankN]."
+)]
 struct LaunchArgs {
     /// Ranks on this node.
-    #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
+    #[arg(
+        short = 'n',
+        long = "nproc-per-node",
+        value_name = "RANKS",
+        default_value_t = 1
+    )]
     nproc: usize,
     /// Number of nodes.
     #[arg(long, default_value_t = 1)]
@@ -47,7 +59,12 @@ struct LaunchArgs {
     #[arg(long)]
     master_port: Option<u16>,
     /// Program and its arguments.
-    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    #[arg(
+        value_name = "PROGRAM",
+        trailing_var_arg = true,
+        required = true,
+        allow_hyphen_values = true
+    )]
     command: Vec<OsString>,
 }
 

@@ -30,9 +30,21 @@ enum Cmd {
 }
 
 #[derive(clap::Args)]
+#[command(
+    override_usage = "distcomm launch [-n RANKS] [OPTIONS] [--] PROGRAM [ARGS]...",
+    after_help = "Examples:\n  distcomm launch -n 4 -- ./target/release/my_prog --steps 10\n  \
+                  distcomm launch -n 2 -- python train.py\n\nEvery rank gets torchrun's variables \
+                  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...) and a fresh job \
+                  secret; its output lines are prefixed with [rankN]."
+)]
 struct LaunchArgs {
     /// Ranks on this node.
-    #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
+    #[arg(
+        short = 'n',
+        long = "nproc-per-node",
+        value_name = "RANKS",
+        default_value_t = 1
+    )]
     nproc: usize,
     /// Number of nodes.
     #[arg(long, default_value_t = 1)]
@@ -47,7 +59,12 @@ struct LaunchArgs {
     #[arg(long)]
     master_port: Option<u16>,
     /// Program and its arguments.
-    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    #[arg(
+        value_name = "PROGRAM",
+        trailing_var_arg = true,
+        required = true,
+        allow_hyphen_values = true
+    )]
     command: Vec<OsString>,
 }
 
@@ -78,6 +95,12 @@ fn run_launch(a: LaunchArgs) -> distcomm::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The library's events: `DISTCOMM_DEBUG` (and `DISTCOMM_DEBUG_SUBSYS`) when set, else
+    // warnings only.
+    if let Err(e) = distcomm::diag::install_stderr(Some("distcomm=warn")) {
+        eprintln!("distcomm: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.cmd {
         Cmd::Launch(a) => run_launch(a),
         Cmd::Bench(a) => bench::run(a),

@@ -171,7 +171,7 @@ impl Work {
         if o.is_none() {
             *o = match &self.state {
                 State::Finished(r) => Some(r.clone()),
-                State::P2p(w) => w.is_completed().then(|| w.wait_shared(Duration::ZERO)),
+                State::P2p(w) => w.is_completed().then(|| w.wait_timeout(Duration::ZERO)),
                 State::Queued(d) => d.get(),
             };
         }
@@ -185,7 +185,7 @@ impl Work {
         }
         let r = py.detach(|| match &self.state {
             State::Finished(r) => Some(r.clone()),
-            State::P2p(w) => match w.wait_shared(timeout) {
+            State::P2p(w) => match w.wait_timeout(timeout) {
                 Err(e) if e.is_timeout() && !w.is_completed() => None,
                 r => Some(r),
             },

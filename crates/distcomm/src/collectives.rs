@@ -74,6 +74,8 @@ struct Call {
     bytes: usize,
     /// Part of a composite operation that logs itself (1-bit all_reduce): not logged alone.
     quiet: bool,
+    /// The algorithm that runs it (`DISTCOMM_DEBUG=DEBUG`).
+    algo: &'static str,
 }
 
 impl Call {
@@ -85,7 +87,17 @@ impl Call {
             count,
             bytes: 0,
             quiet: false,
+            algo: match kind {
+                Kind::AllReduce => "recursive doubling",
+                Kind::Broadcast | Kind::Reduce => "binomial tree",
+                Kind::AllGather | Kind::ReduceScatter => "ring",
+                Kind::Gather | Kind::Scatter | Kind::AllToAll => "direct",
+            },
         }
+    }
+    fn algo(mut self, algo: &'static str) -> Call {
+        self.algo = algo;
+        self
     }
     fn quiet(mut self, quiet: bool) -> Call {
         self.quiet = quiet;
@@ -226,6 +238,7 @@ impl Inner {
         inp: &[T],
     ) -> Result<()> {
         let since = self.since();
+        chose(call, T::DTYPE, self.rank, self.size(), sched.len());
         if let Some(arena) = &self.arena {
             arena.announce(&call.fingerprint(), T::DTYPE, tag);
         }
@@ -269,7 +282,12 @@ impl Inner {
                     tag,
                     fp: call.fingerprint(),
                 };
-                self.engine.cancel_collective(env, desync, &self.members);
+                let lost = match e {
+                    Error::PeerLost { peer, .. } => Some(*peer),
+                    _ => None,
+                };
+                self.engine
+                    .cancel_collective(env, desync, lost, &self.members);
             }
         }
     }
@@ -293,6 +311,7 @@ impl Inner {
     ) -> Result<()> {
         let since = self.since();
         let n = self.size();
+        chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
         let fp = call.fingerprint();
         let (timeout, engine) = (self.timeout, &*self.engine);
         // What this rank puts into the shared arena is what it "sends".
@@ -663,13 +682,14 @@ impl Inner {
         } else {
             ALL_REDUCE_RING_MIN
         };
-        let sched =
+        let (call, sched) =
             if bytes >= threshold("DISTCOMM_ALL_REDUCE_RING_MIN", ring_min) && buf.len() >= n {
                 let chunk = threshold("DISTCOMM_RING_CHUNK_MAX", RING_CHUNK_MAX) / size_of::<T>();
                 let seg = chunk.max(1).saturating_mul(n);
-                alg::segmented(buf.len(), seg, |len| alg::ring_all_reduce(n, r, len))
+                let sched = alg::segmented(buf.len(), seg, |len| alg::ring_all_reduce(n, r, len));
+                (call.algo("ring"), sched)
             } else {
-                alg::recursive_doubling_all_reduce(n, r, buf.len())
+                (call, alg::recursive_doubling_all_reduce(n, r, buf.len()))
             };
         // Averages of 16-bit floats divide in f32 too: widen around the whole thing.
         if op == ReduceOp::Avg {
@@ -698,12 +718,13 @@ impl Inner {
         } else {
             usize::MAX
         };
-        let sched = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", scatter_min)
+        let (call, sched) = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", scatter_min)
             && buf.len() >= n
         {
-            alg::scatter_all_gather_broadcast(n, r, root, buf.len())
+            let sched = alg::scatter_all_gather_broadcast(n, r, root, buf.len());
+            (call.algo("scatter + ring all_gather"), sched)
         } else {
-            alg::binomial_broadcast(n, r, root, buf.len())
+            (call, alg::binomial_broadcast(n, r, root, buf.len()))
         };
         self.execute(&call, tag, &sched, buf, &[])
     }
@@ -944,6 +965,24 @@ thread_local! {
 
 /// Bytes sent so far by collectives run on this thread: a collective runs wholly on one thread,
 /// so the difference across a call is what that call sent.
+/// The DEBUG event of a collective's algorithm (subsystem `coll`).
+fn chose(call: &Call, dtype: DType, rank: usize, n: usize, rounds: usize) {
+    tracing::debug!(
+        target: "distcomm::coll",
+        rank,
+        ranks = n,
+        count = call.count,
+        bytes = call.bytes,
+        dtype = ?dtype,
+        op = ?call.op,
+        root = call.root,
+        rounds,
+        "{} by {}",
+        call.kind.name(),
+        call.algo
+    );
+}
+
 pub(crate) fn sent_bytes() -> u64 {
     SENT.with(|s| s.get())
 }

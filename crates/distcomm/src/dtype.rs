@@ -73,8 +73,20 @@ impl fmt::Display for DType {
 
 /// An element type distcomm can send: plain old data with a wire type.
 ///
-/// Implemented for `u8`, `i8`, `i16`, `i32`, `i64`, `f32`, `f64`, [`half::f16`] and [`half::bf16`].
-/// Sealed: the wire type must describe the memory exactly.
+/// Implemented for `u8`, `i8`, `i16`, `i32`, `i64`, `f32`, `f64`, [`half::f16`] and [`half::bf16`]
+/// (the `half` crate is re-exported as [`distcomm::half`](crate::half), so 16-bit floats need no
+/// dependency of their own). Sealed: the wire type must describe the memory exactly.
+///
+/// ```
+/// use distcomm::half::{bf16, f16};
+/// use distcomm::{DType, Element};
+/// assert_eq!(<f16 as Element>::DTYPE, DType::F16);
+/// assert_eq!(<bf16 as Element>::DTYPE.size(), 2);
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an element type distcomm can send",
+    note = "element types: u8, i8, i16, i32, i64, f32, f64, distcomm::half::f16, distcomm::half::bf16 (a Vec or slice of one of them)"
+)]
 pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
     /// The wire type of this element.
     const DTYPE: DType;

@@ -13,7 +13,20 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Errors are `Clone` so that a terminal [`crate::Work`] state can hand the same error to every
 /// `wait()` call.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// `Debug` prints the same sentence as `Display` followed by the variant's name (and an I/O
+/// error's OS code), so that `fn main() -> distcomm::Result<()>`, `unwrap()` and `{:?}` all show
+/// a message people can read. Errors with a likely fix carry it ([`Error::hint`]; `Display`
+/// appends it).
+///
+/// ```
+/// let missing = vec!["RANK".into(), "WORLD_SIZE".into()];
+/// let e = distcomm::Error::MissingEnv { missing };
+/// assert!(format!("{e:?}").starts_with("incomplete environment: missing RANK, WORLD_SIZE"));
+/// assert!(format!("{e:?}").contains("distcomm launch -n"));
+/// assert!(format!("{e:?}").contains("[Error::MissingEnv]\n  hint: "));
+/// ```
+#[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A rank argument outside `0..world`.
@@ -120,7 +133,7 @@ pub enum Error {
         theirs: String,
     },
     /// The environment does not describe a complete job.
-    #[error("incomplete environment: missing {}", missing.join(", "))]
+    #[error("incomplete environment: missing {}{}", missing.join(", "), hint_suffix(self))]
     MissingEnv { missing: Vec<String> },
     /// An environment variable or option has a value we cannot use.
     #[error("invalid configuration: {0}")]
@@ -142,12 +155,31 @@ pub enum Error {
         detail: String,
     },
     /// An I/O error with what we were doing when it happened.
-    #[error("{context}: {source}")]
+    #[error("{context}: {source}{}", hint_suffix(self))]
     Io {
         context: String,
         #[source]
         source: Arc<std::io::Error>,
     },
+}
+
+/// What a launcher does for a job that has none (the [`Error::MissingEnv`] hint).
+const LAUNCHER_HINT: &str = "this program expects a launcher: start it with `distcomm launch -n 2 -- PROGRAM` (or torchrun --nproc-per-node 2, or mpirun -n 2), or build the group explicitly with distcomm::GroupBuilder::new(rank, world)";
+
+/// The [`Error::MissingEnv`] hint of an mpirun or srun job over several hosts.
+const MASTER_HINT: &str = "ranks on several hosts need the address of rank 0's host: set DISTCOMM_MASTER_ADDR (and DISTCOMM_MASTER_PORT) for every rank, e.g. mpirun -x DISTCOMM_MASTER_ADDR=node0";
+
+/// The [`Error::Io`] hint when the store's port is taken.
+const PORT_HINT: &str = "another job on this host probably holds the port: pick a free one with DISTCOMM_MASTER_PORT (mpirun, srun), MASTER_PORT (torchrun-style variables) or `distcomm launch --master-port` (which picks a free port by itself when the option is left out)";
+
+/// What separates a message from its hint.
+const HINT_SEP: &str = "\n  hint: ";
+
+fn hint_suffix(e: &Error) -> String {
+    match e.hint() {
+        Some(h) => format!("{HINT_SEP}{h}"),
+        None => String::new(),
+    }
 }
 
 fn peer_suffix(peer: Option<usize>) -> String {
@@ -166,8 +198,106 @@ impl Error {
         }
     }
 
+    /// A likely fix, for errors that have one: how to start a job when no launcher's variables
+    /// are there, how to choose another store port when the port is taken. `Display` shows it
+    /// on a line of its own after the message.
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            // No launcher at all (the list names every launcher's variables).
+            Error::MissingEnv { missing } if missing.len() > 1 => Some(LAUNCHER_HINT),
+            Error::MissingEnv { missing } if missing.iter().any(|m| m.contains("MASTER_ADDR")) => {
+                Some(MASTER_HINT)
+            }
+            Error::Io { context, source }
+                if source.kind() == std::io::ErrorKind::AddrInUse
+                    && context.starts_with("store: listen") =>
+            {
+                Some(PORT_HINT)
+            }
+            _ => None,
+        }
+    }
+
+    /// The variant's name (`"PeerLost"`, `"Timeout"`, ...), as `Debug` shows it.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Error::InvalidRank { .. } => "InvalidRank",
+            Error::TagOutOfRange { .. } => "TagOutOfRange",
+            Error::MessageTooLarge { .. } => "MessageTooLarge",
+            Error::DTypeMismatch { .. } => "DTypeMismatch",
+            Error::Timeout { .. } => "Timeout",
+            Error::PeerLost { .. } => "PeerLost",
+            Error::Aborted { .. } => "Aborted",
+            Error::StoreTimeout { .. } => "StoreTimeout",
+            Error::StoreProtocol(_) => "StoreProtocol",
+            Error::StoreAuth { .. } => "StoreAuth",
+            Error::Auth { .. } => "Auth",
+            Error::Protocol { .. } => "Protocol",
+            Error::InvalidArgument { .. } => "InvalidArgument",
+            Error::Desync { .. } => "Desync",
+            Error::MissingEnv { .. } => "MissingEnv",
+            Error::Config(_) => "Config",
+            Error::RankFailed { .. } => "RankFailed",
+            Error::DeviceUnavailable { .. } => "DeviceUnavailable",
+            Error::Device { .. } => "Device",
+            Error::Io { .. } => "Io",
+        }
+    }
+
     /// True for [`Error::Timeout`] and [`Error::StoreTimeout`].
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. } | Error::StoreTimeout { .. })
+    }
+}
+
+/// The readable form (see [`Error`]): the `Display` sentence, then `[Error::Variant]` (an I/O
+/// error adds its kind; the sentence has the OS error code), then the hint if there is one. Every field is in the sentence; match on the variant to get
+/// them as values.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.to_string();
+        let (message, hint) = match text.split_once(HINT_SEP) {
+            Some((m, h)) => (m, Some(h)),
+            None => (text.as_str(), None),
+        };
+        write!(f, "{message} [Error::{}", self.kind_name())?;
+        if let Error::Io { source, .. } = self {
+            write!(f, ", {:?}", source.kind())?;
+        }
+        f.write_str("]")?;
+        match hint {
+            Some(h) => write!(f, "{HINT_SEP}{h}"),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_reads_like_display_and_names_the_variant() {
+        let e = Error::MessageTooLarge {
+            op: "recv",
+            rank: 1,
+            src: 0,
+            dst: 1,
+            tag: 0,
+            sent: 400,
+            capacity: 40,
+        };
+        assert_eq!(format!("{e:?}"), format!("{e} [Error::MessageTooLarge]"),);
+        assert!(e.hint().is_none());
+        let busy = std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        let e = Error::io("store: listen on 127.0.0.1:29500", busy);
+        let text = format!("{e:?}");
+        assert!(text.contains("DISTCOMM_MASTER_PORT"), "{text}");
+        assert!(text.contains("[Error::Io, AddrInUse]\n  hint: "), "{text}");
+        let other = Error::io(
+            "resolve x",
+            std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        );
+        assert!(other.hint().is_none());
     }
 }

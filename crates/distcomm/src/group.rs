@@ -197,6 +197,7 @@ impl GroupBuilder {
     }
 
     pub fn build(self) -> Result<ProcessGroup> {
+        crate::diag::install_default()?;
         if self.world == 0 || self.rank >= self.world {
             return Err(Error::Config(format!(
                 "rank {} is not inside a world of {}",
@@ -329,6 +330,20 @@ impl GroupBuilder {
             max_bytes: env_u64("DISTCOMM_SHM_ALLREDUCE_MAX")?.map_or(usize::MAX, |b| b as usize),
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
+        let ready = crate::diag::Ready {
+            store: self.store_addr.clone(),
+            hosts_store: server.is_some(),
+            secret: secret.is_some(),
+            store_auth,
+            arena: crate::diag::Ready::arena_state(
+                arena.is_some(),
+                arena_cfg.enabled,
+                all_shm,
+                self.world,
+            ),
+            spin,
+            oversubscribed,
+        };
         let keep = Keep {
             store: Some(store),
             _server: server,
@@ -341,6 +356,7 @@ impl GroupBuilder {
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
+        ready.log(&group);
         Ok(group)
     }
 }
@@ -414,6 +430,7 @@ fn split_host_port(addr: &str) -> Result<(String, u16)> {
 /// # Ok(()) }
 /// ```
 pub fn init() -> Result<ProcessGroup> {
+    crate::diag::install_default()?;
     if Backend::from_env()? == Backend::Mpi {
         // MPI connects the ranks: no store address is needed, and the launcher's variables
         // only have to agree with MPI's view when they are there.
@@ -450,6 +467,8 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGrou
         subgroups: Default::default(),
     };
     let mpi = Some(Arc::new(comm));
+    tracing::info!(target: "distcomm::init", rank, world, host = %crate::diag::host_name(),
+        pid = std::process::id(), backend = "mpi", "rank {rank} of {world} ready");
     Ok(ProcessGroup {
         inner: Arc::new(Inner::world(
             engine, members, rank, timeout, keep, None, mpi,
@@ -629,7 +648,7 @@ impl Inner {
             Fast::Declined => None,
             Fast::Done(r) => Some(r.map(|_| ())),
             Fast::Handed(id, cell) => {
-                let mut w: Work<()> =
+                let w: Work<()> =
                     Work::new(cell, self.driver(), id, env.op, Some(dst), self.timeout)
                         .detach_on_drop();
                 Some(w.wait_timeout(timeout).map(|_| ()))
@@ -1115,7 +1134,7 @@ impl ProcessGroup {
         {
             return r;
         }
-        let mut w: Work<Vec<T>> = self.inner.post_send(env, Box::new(data.to_vec()), dst)?;
+        let w: Work<Vec<T>> = self.inner.post_send(env, Box::new(data.to_vec()), dst)?;
         w.wait_timeout(timeout).map(|_| ())
     }
 
@@ -1176,10 +1195,10 @@ impl ProcessGroup {
                 // acknowledgement to wait for (half the time of a round).
                 fp: Fingerprint::BARRIER,
             };
-            let mut r: Work<Vec<u8>> =
+            let r: Work<Vec<u8>> =
                 self.inner
                     .post_recv(env, Box::new(Vec::<u8>::new()), Some(from))?;
-            let mut s: Work<Vec<u8>> = self.inner.post_send(env, Box::new(Vec::<u8>::new()), to)?;
+            let s: Work<Vec<u8>> = self.inner.post_send(env, Box::new(Vec::<u8>::new()), to)?;
             r.wait()?;
             s.wait()?;
             dist *= 2;
@@ -1215,11 +1234,7 @@ fn user(op: &'static str, dtype: DType, tag: u32) -> Envelope {
     }
 }
 
-fn finish_recv<T: Element>(
-    mut w: Work<Vec<T>>,
-    out: &mut [T],
-    timeout: Duration,
-) -> Result<Status> {
+fn finish_recv<T: Element>(w: Work<Vec<T>>, out: &mut [T], timeout: Duration) -> Result<Status> {
     let status = w.wait_timeout(timeout)?;
     let buf = w.into_buffer()?;
     let n = status.bytes / std::mem::size_of::<T>().max(1);

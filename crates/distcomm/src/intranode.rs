@@ -102,6 +102,45 @@ pub(crate) struct Arena {
     cv: Condvar,
 }
 
+/// Why a rank broke the arena, as its flag word says: bit 0 set (broken), the reason in bits
+/// 8–15, the rank that broke it + 1 in bits 16–39, the peer that caused it + 1 in bits 40–63
+/// (global ranks). A word this version cannot read still means broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Broken {
+    PeerLost { by: usize, peer: usize },
+    Timeout { by: usize, peer: usize },
+    Desync { by: usize, peer: usize },
+    Other { by: usize },
+}
+
+impl Broken {
+    const RANK_MASK: u64 = (1 << 24) - 1;
+
+    fn encode(self) -> u64 {
+        let (why, by, peer) = match self {
+            Broken::PeerLost { by, peer } => (1, by, Some(peer)),
+            Broken::Timeout { by, peer } => (2, by, Some(peer)),
+            Broken::Desync { by, peer } => (3, by, Some(peer)),
+            Broken::Other { by } => (4, by, None),
+        };
+        let field = |r: usize| (r as u64 + 1) & Self::RANK_MASK;
+        1 | why << 8 | field(by) << 16 | peer.map_or(0, field) << 40
+    }
+
+    fn decode(word: u64) -> Option<Broken> {
+        let rank = |shift: u32| ((word >> shift) & Self::RANK_MASK).checked_sub(1);
+        let by = rank(16)? as usize;
+        let peer = rank(40).map(|p| p as usize);
+        match ((word >> 8) & 0xff, peer) {
+            (1, Some(peer)) => Some(Broken::PeerLost { by, peer }),
+            (2, Some(peer)) => Some(Broken::Timeout { by, peer }),
+            (3, Some(peer)) => Some(Broken::Desync { by, peer }),
+            (4, None) => Some(Broken::Other { by }),
+            _ => None,
+        }
+    }
+}
+
 /// What a waiting rank needs to decide when to stop waiting.
 struct Wait<'a> {
     /// When waiting began (read lazily: the clock costs as much as a small call's transfer).
@@ -290,16 +329,12 @@ impl Arena {
                 after: w.timeout,
             });
         }
-        if !self.usable() {
-            return Some(Error::Aborted {
-                op,
-                rank: self.me,
-                reason: "another rank gave up on the shared-memory arena".into(),
-            });
-        }
-        let global = self.members.get(r).copied().unwrap_or(r);
+        let global = self.global(r);
         if let Some(reason) = w.engine.peer_failure(global) {
             return Some(self.lost(op, r, reason));
+        }
+        if !self.usable() {
+            return Some(self.broken_error(op));
         }
         let at = self.current_at(r);
         let c0 = self.region.word(at).load(Ordering::Acquire);
@@ -394,9 +429,73 @@ impl Arena {
             }
             // The ranks' chunk counters may no longer agree (a rank ran another collective, or
             // stopped mid-call): nobody uses the arena again.
-            Err(_) => self.region.word(OFF_BROKEN).store(1, Ordering::Release),
+            Err(e) => self.break_for(e),
         }
         result
+    }
+
+    /// Breaks the arena for good after this rank's call failed with `e`, leaving in the flag
+    /// word why (see [`Broken`]), so that the ranks still waiting there can name the cause.
+    fn break_for(&self, e: &Error) {
+        let me = self.global(self.me);
+        let word = match e {
+            Error::PeerLost { peer, .. } => Broken::PeerLost {
+                by: me,
+                peer: self.global(*peer),
+            },
+            Error::Timeout {
+                peer: Some(peer), ..
+            } => Broken::Timeout {
+                by: me,
+                peer: self.global(*peer),
+            },
+            Error::Desync { peer, .. } => Broken::Desync {
+                by: me,
+                peer: self.global(*peer),
+            },
+            _ => Broken::Other { by: me },
+        }
+        .encode();
+        let _ = self.region.word(OFF_BROKEN).compare_exchange(
+            0,
+            word,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// The global rank of group rank `r`.
+    fn global(&self, r: usize) -> usize {
+        self.members.get(r).copied().unwrap_or(r)
+    }
+
+    /// The error of a rank that finds the arena broken by another: names the rank that broke it
+    /// and, when there was one, the peer that caused it (a dead peer is a peer-lost error here
+    /// too, as on the rank that saw it die).
+    fn broken_error(&self, op: &'static str) -> Error {
+        let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
+        let rank = self.global(self.me);
+        let aborted = |reason: String| Error::Aborted { op, rank, reason };
+        match Broken::decode(word) {
+            Some(Broken::PeerLost { by, peer }) if peer != rank => Error::PeerLost {
+                op,
+                rank,
+                peer,
+                reason: format!(
+                    "rank {by} lost its connection to rank {peer} during the shared-memory                      all_reduce and stopped it"
+                ),
+            },
+            Some(Broken::Timeout { by, peer }) => aborted(format!(
+                "rank {by} timed out waiting for rank {peer} in the shared-memory all_reduce                  and stopped it"
+            )),
+            Some(Broken::Desync { by, peer }) => aborted(format!(
+                "rank {by} found that rank {peer} called another collective during the                  shared-memory all_reduce and stopped it"
+            )),
+            Some(Broken::PeerLost { by, .. } | Broken::Other { by }) => aborted(format!(
+                "rank {by} failed the shared-memory all_reduce and stopped it"
+            )),
+            None => aborted("another rank gave up on the shared-memory arena".into()),
+        }
     }
 
     fn run<T: Reducible>(
@@ -596,4 +695,26 @@ pub(crate) fn establish(
         (true, Some(region)) => Some(Arc::new(Arena::new(region, me, members, chunk, cfg))),
         _ => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Broken;
+
+    #[test]
+    fn the_broken_word_says_who_and_why() {
+        for b in [
+            Broken::PeerLost { by: 0, peer: 3 },
+            Broken::Timeout { by: 7, peer: 0 },
+            Broken::Desync { by: 2, peer: 1 },
+            Broken::Other { by: 5 },
+        ] {
+            let w = b.encode();
+            assert_eq!(w & 1, 1, "{b:?} must read as broken");
+            assert_eq!(Broken::decode(w), Some(b));
+        }
+        // The old flag (1) and unknown reasons still mean broken, without a cause.
+        assert_eq!(Broken::decode(1), None);
+        assert_eq!(Broken::decode(1 | 9 << 8 | 1 << 16), None);
+    }
 }

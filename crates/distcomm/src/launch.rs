@@ -170,7 +170,12 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             Some(raw.iter().map(|b| format!("{b:02x}")).collect())
         }
         None => {
-            eprintln!("distcomm launch: no DISTCOMM_SECRET set for a multi-node job; connections will not be authenticated");
+            crate::diag::always!(
+                WARN,
+                target: "distcomm::launch",
+                "launch: no DISTCOMM_SECRET set for a multi-node job; connections will not be \
+                 authenticated"
+            );
             None
         }
     };

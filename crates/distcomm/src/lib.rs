@@ -1,35 +1,73 @@
 //! # distcomm
 //!
-//! The communication layer of distributed training: process groups, blocking and truly
-//! nonblocking point-to-point with waitable [`Work`] handles, a PyTorch-compatible rendezvous
-//! store, a TCP transport with its own progress engine, and a launcher.
+//! The communication layer of distributed training, what `torch.distributed` and
+//! `deepspeed.comm` are to Python: process groups and subgroups, blocking and truly nonblocking
+//! point-to-point with waitable (and awaitable) [`Work`] handles, every collective (blocking and
+//! async, with desync detection), staging of device buffers through host memory, a
+//! PyTorch-compatible rendezvous store and a torchrun-compatible launcher (`distcomm launch`).
 //!
-//! Layers (each knows only the one below):
-//! * [`group`]: the [`ProcessGroup`] API — point-to-point, subgroups — and its collectives
-//!   (blocking and async, desync detection, [`commslog`]);
-//! * [`algorithms`]: collective schedules as pure data, with a simulator; [`reduce`]: kernels;
-//! * [`transport`]: how bytes move between two ranks (TCP mesh, authenticated handshake,
-//!   progress engine);
-//! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
-//! * [`env`](mod@env): discovery of rank, world and master from torchrun / mpirun / srun variables;
-//! * [`launch`]: starting local ranks (used by `distcomm launch` and the test harness).
+//! Ranks on one host talk through **shared memory** (rings, a one-cache-line lane for small
+//! messages, cross-memory attach for large ones, and a shared arena for `all_reduce`), ranks on
+//! other hosts over **TCP**, both under one progress engine; with the `mpi` feature and
+//! `DISTCOMM_BACKEND=mpi` the same API runs on the system **MPI**.
+//!
+//! ## Start
+//!
+//! [`init`] reads the launcher's environment (`distcomm launch`, torchrun, mpirun, srun); run
+//! the program with e.g. `distcomm launch -n 4 -- ./target/release/my_prog`.
 //!
 //! ```no_run
-//! # fn main() -> distcomm::Result<()> {
-//! let group = distcomm::init()?; // e.g. under `distcomm launch -n 2 -- ./my_prog`
-//! let peer = 1 - group.rank();
-//! let mut recv = group.irecv(vec![0i64; 3], peer, 0)?;
-//! let send = group.isend(vec![group.rank() as i64; 3], peer, 0)?;
-//! recv.wait()?;
-//! assert_eq!(recv.into_buffer()?, vec![peer as i64; 3]);
-//! send.into_buffer()?;
-//! # Ok(()) }
+//! use distcomm::ReduceOp;
+//!
+//! fn main() -> distcomm::Result<()> {
+//!     let group = distcomm::init()?;
+//!     let (rank, n) = (group.rank(), group.size());
+//!
+//!     // Collectives work in place on slices; `_async` forms take the buffer and return a Work.
+//!     let mut grads = vec![rank as f32; 1024];
+//!     group.all_reduce(&mut grads, ReduceOp::Avg)?;
+//!     let mut params = vec![0f32; 16];
+//!     group.broadcast(&mut params, 0)?;
+//!     let mut all = vec![0i64; n];
+//!     group.all_gather(&[rank as i64], &mut all)?;
+//!     let sums = group.all_reduce_async(vec![1u8; 8], ReduceOp::Sum)?.into_buffer()?;
+//!     assert_eq!(sums, vec![n as u8; 8]);
+//!
+//!     // Point-to-point: nonblocking calls own their buffer until it comes back.
+//!     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+//!     let recv = group.irecv(vec![0f32; 4], prev, 7)?;
+//!     let send = group.isend(vec![rank as f32; 4], next, 7)?;
+//!     let status = recv.wait()?; // who sent, the tag, the byte count
+//!     assert_eq!((status.peer, status.bytes), (prev, 16));
+//!     assert_eq!(recv.into_buffer()?, vec![prev as f32; 4]);
+//!     send.wait()?;
+//!     group.barrier()
+//! }
 //! ```
+//!
+//! Element types: `u8 i8 i32 i64 f32 f64` and [`half::f16`]/[`half::bf16`] (re-exported as
+//! [`distcomm::half`](half)). Errors ([`Error`]) name the operation, the local rank and the
+//! peer, print readably from `main` and carry a hint where there is a likely fix.
+//! `DISTCOMM_DEBUG=INFO` (or `DEBUG`, `TRACE`) says how every rank was set up, which algorithm
+//! each collective takes and every message posted: see [`diag`].
+//!
+//! ## Layers (each knows only the one below)
+//! * [`group`]: the [`ProcessGroup`] API — point-to-point, subgroups, init and the builder
+//!   ([`GroupBuilder`]) — and its collectives (blocking and async, desync detection,
+//!   [`commslog`]); [`pipeline`]: tensors with shapes and pipeline stages; [`staging`] and
+//!   [`device`]: device buffers through host memory;
+//! * [`algorithms`]: collective schedules as pure data, with a simulator; [`reduce`]: kernels;
+//! * [`transport`]: how bytes move between two ranks (TCP mesh, authenticated handshake,
+//!   shared-memory links, the progress engine); [`mpi`]: the MPI backend;
+//! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
+//! * [`env`](mod@env): discovery of rank, world and master from torchrun / mpirun / srun
+//!   variables; [`launch`]: starting local ranks (`distcomm launch` and the test harness).
 
 pub mod algorithms;
 mod collectives;
 pub mod commslog;
 pub mod device;
+pub mod diag;
 pub mod dtype;
 pub mod env;
 pub mod error;
@@ -52,6 +90,8 @@ mod work;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use group::{init, Backend, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+/// The `half` crate, whose [`f16`](half::f16) and [`bf16`](half::bf16) are element types.
+pub use half;
 pub use onebit::{padded_len, OneBitState};
 pub use pipeline::{PipeStage, Tensor, TensorWork};
 pub use reduce::{ReduceOp, Reducible};

@@ -222,7 +222,11 @@ mod imp {
                 .name("distcomm-mpi".into())
                 .spawn(move || progress_thread(g))
             {
-                eprintln!("distcomm: could not start the MPI progress thread: {e}");
+                crate::diag::always!(
+                    WARN,
+                    target: "distcomm::mpi",
+                    "could not start the MPI progress thread: {e}"
+                );
             }
         });
         Ok(g)
@@ -335,7 +339,7 @@ mod imp {
     }
 
     fn abort_job(msg: &str) {
-        eprintln!("{msg}");
+        crate::diag::always!(ERROR, target: "distcomm::mpi", "{msg}");
         // SAFETY: aborting the job is always allowed.
         unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
     }
@@ -939,7 +943,7 @@ mod imp {
                          so the job is aborted",
                         self.world_rank
                     );
-                    eprintln!("{msg}");
+                    crate::diag::always!(ERROR, target: "distcomm::mpi", "{msg}");
                     // SAFETY: aborting the job is always allowed.
                     unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
                     return Err(Error::Aborted {

@@ -132,12 +132,12 @@ impl<T: Element> TensorWork<T> {
     }
 
     /// Waits up to the group's timeout; the status is the data message's.
-    pub fn wait(&mut self) -> Result<Status> {
+    pub fn wait(&self) -> Result<Status> {
         self.wait_timeout(self.timeout)
     }
 
     /// Waits up to `timeout` for both messages; on timeout both stay pending.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Status> {
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<Status> {
         let start = Instant::now();
         self.header.wait_timeout(timeout)?;
         let left = timeout.saturating_sub(start.elapsed());
@@ -154,7 +154,7 @@ impl<T: Element> TensorWork<T> {
 
     /// Waits, then returns the tensor: on the receiving side with the shape the sender gave,
     /// checked against the elements that arrived.
-    pub fn into_tensor(mut self) -> Result<Tensor<T>> {
+    pub fn into_tensor(self) -> Result<Tensor<T>> {
         self.wait()?;
         let header = self.header.into_buffer()?;
         let data = self.data.into_buffer()?;

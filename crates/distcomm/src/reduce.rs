@@ -51,7 +51,11 @@ impl ReduceOp {
     }
 }
 
-/// Element types that can be reduced.
+/// Element types that can be reduced: every [`Element`] (16-bit floats are reduced in f32).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an element type distcomm can reduce",
+    note = "element types: u8, i8, i16, i32, i64, f32, f64, distcomm::half::f16, distcomm::half::bf16"
+)]
 pub trait Reducible: Element {
     /// Whether bitwise operators apply.
     const INTEGER: bool;

@@ -396,7 +396,7 @@ pub(crate) trait Driver: Send + Sync {
 /// let group = distcomm::init()?;
 /// let peer = (group.rank() + 1) % group.size();
 /// let from = (group.rank() + group.size() - 1) % group.size();
-/// let mut recv = group.irecv(vec![0f32; 4], from, 7)?;
+/// let recv = group.irecv(vec![0f32; 4], from, 7)?;
 /// let send = group.isend(vec![1f32; 4], peer, 7)?;
 /// let status = recv.wait()?;
 /// assert_eq!(status.bytes, 16);
@@ -480,18 +480,17 @@ impl<B: 'static> Work<B> {
     }
 
     /// Waits up to the group's default timeout.
-    pub fn wait(&mut self) -> Result<Status> {
+    ///
+    /// It takes `&self`: waiting changes nothing the caller can see (the outcome is sticky and
+    /// the buffer stays with the handle until [`into_buffer`](Self::into_buffer)), so
+    /// `let send = group.isend(..)?; send.wait()?;` works, and several threads may wait on one
+    /// handle.
+    pub fn wait(&self) -> Result<Status> {
         self.wait_timeout(self.default_timeout)
     }
 
     /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Status> {
-        self.wait_shared(timeout)
-    }
-
-    /// [`wait_timeout`](Self::wait_timeout) through a shared reference, for wrappers that let
-    /// several threads wait on one operation (the Python package's handles do).
-    pub fn wait_shared(&self, timeout: Duration) -> Result<Status> {
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<Status> {
         if !self.cell.is_done() && !self.drive(timeout) {
             return Err(Error::Timeout {
                 op: self.op,
@@ -527,7 +526,7 @@ impl<B: 'static> Work<B> {
 
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error
     /// and drops the buffer without publishing anything from it.
-    pub fn into_buffer(mut self) -> Result<B> {
+    pub fn into_buffer(self) -> Result<B> {
         self.wait()?;
         self.take_buffer()
     }

@@ -378,7 +378,7 @@ fn subgroups_disjoint_and_overlapping() {
             let m = sub.size();
             let next = (sub.rank() + 1) % m;
             let prev = (sub.rank() + m - 1) % m;
-            let mut w = sub.irecv(vec![0i64; 1], prev, 3).unwrap();
+            let w = sub.irecv(vec![0i64; 1], prev, 3).unwrap();
             sub.send(&[r as i64], next, 3).unwrap();
             let st = w.wait().unwrap();
             assert_eq!(st.peer, prev, "status names the group rank");

@@ -17,7 +17,7 @@ fn ring(g: &ProcessGroup) -> (usize, usize) {
 fn exchange(g: &ProcessGroup, len: usize, send_first: bool, tag: u32) {
     let (next, prev) = ring(g);
     let out = pattern((g.rank() * 1000 + len) as u64, len);
-    let (mut s, mut r): (Work<Vec<u8>>, Work<Vec<u8>>);
+    let (s, r): (Work<Vec<u8>>, Work<Vec<u8>>);
     if send_first {
         s = g.isend(out.clone(), next, tag).unwrap();
         r = g.irecv(vec![0u8; len], prev, tag).unwrap();
@@ -79,12 +79,12 @@ fn ring_of_sends_before_receives_never_deadlocks() {
 fn blocking_send_recv_typed() {
     run("blocking_send_recv_typed", &[2, 3], |g| {
         let (next, prev) = ring(g);
-        let mut r = g.irecv(vec![0i64; 5], prev, 3).unwrap();
+        let r = g.irecv(vec![0i64; 5], prev, 3).unwrap();
         g.send(&[g.rank() as i64; 5], next, 3).unwrap();
         r.wait().unwrap();
         assert_eq!(r.into_buffer().unwrap(), vec![prev as i64; 5]);
         let halfs = vec![half::bf16::from_f32(1.5); 7];
-        let mut r = g.irecv(vec![half::bf16::ZERO; 7], prev, 4).unwrap();
+        let r = g.irecv(vec![half::bf16::ZERO; 7], prev, 4).unwrap();
         g.send(&halfs, next, 4).unwrap();
         r.wait().unwrap();
         assert_eq!(r.into_buffer().unwrap(), halfs);
@@ -186,7 +186,7 @@ fn tags_match_and_order_is_non_overtaking() {
 fn wait_timeout_keeps_the_operation() {
     run("wait_timeout_keeps_the_operation", &[2], |g| {
         let peer = 1 - g.rank();
-        let mut r = g.irecv(vec![0u8; 16], peer, 5).unwrap();
+        let r = g.irecv(vec![0u8; 16], peer, 5).unwrap();
         assert!(!r.is_completed());
         let t = Instant::now();
         match r.wait_timeout(Duration::from_millis(100)) {
@@ -196,7 +196,7 @@ fn wait_timeout_keeps_the_operation() {
         assert!(t.elapsed() >= Duration::from_millis(100));
         assert!(!r.is_completed());
         g.barrier().unwrap();
-        let mut s = g.isend(vec![7u8; 16], peer, 5).unwrap();
+        let s = g.isend(vec![7u8; 16], peer, 5).unwrap();
         let st = r.wait().unwrap();
         assert_eq!(st.bytes, 16);
         // Sticky: the same answer again, and completed.
@@ -265,7 +265,7 @@ fn size_mismatch(g: &ProcessGroup, len: usize, tag: u32) {
     let peer = 1 - g.rank();
     if g.rank() == 0 {
         let data = pattern(1, len);
-        let mut s = g.isend(data, peer, tag).unwrap();
+        let s = g.isend(data, peer, tag).unwrap();
         match s.wait() {
             Err(Error::MessageTooLarge {
                 sent,
@@ -283,7 +283,7 @@ fn size_mismatch(g: &ProcessGroup, len: usize, tag: u32) {
         }
     } else {
         let sentinel = vec![0xEEu8; len / 2];
-        let mut r = g.irecv(sentinel, peer, tag).unwrap();
+        let r = g.irecv(sentinel, peer, tag).unwrap();
         match r.wait() {
             Err(Error::MessageTooLarge { sent, capacity, .. }) => {
                 assert_eq!((sent, capacity), (len as u64, (len / 2) as u64))
@@ -307,7 +307,7 @@ fn oversized_message_fails_both_sides() {
 
 fn exchange_pair(g: &ProcessGroup) {
     let peer = 1 - g.rank();
-    let mut r = g.irecv(vec![0i32; 3], peer, 77).unwrap();
+    let r = g.irecv(vec![0i32; 3], peer, 77).unwrap();
     g.send(&[g.rank() as i32; 3], peer, 77).unwrap();
     r.wait().unwrap();
     assert_eq!(r.into_buffer().unwrap(), vec![peer as i32; 3]);
@@ -319,7 +319,7 @@ fn element_type_mismatch_fails_both_sides() {
         let peer = 1 - g.rank();
         for (tag, len) in [(1u32, 10usize), (2, 1 << 20)] {
             if g.rank() == 0 {
-                let mut s = g.isend(vec![1f32; len], peer, tag).unwrap();
+                let s = g.isend(vec![1f32; len], peer, tag).unwrap();
                 match s.wait() {
                     Err(Error::DTypeMismatch { sent, expected, .. }) => {
                         assert_eq!(
@@ -330,7 +330,7 @@ fn element_type_mismatch_fails_both_sides() {
                     other => panic!("{other:?}"),
                 }
             } else {
-                let mut r = g.irecv(vec![0i32; len], peer, tag).unwrap();
+                let r = g.irecv(vec![0i32; len], peer, tag).unwrap();
                 assert!(matches!(r.wait(), Err(Error::DTypeMismatch { .. })));
             }
         }
@@ -338,7 +338,7 @@ fn element_type_mismatch_fails_both_sides() {
         if g.rank() == 0 {
             g.send(&[1.0f32], peer, 3).unwrap();
         } else {
-            let mut r = g.irecv_bytes(vec![0u8; 4], peer, 3).unwrap();
+            let r = g.irecv_bytes(vec![0u8; 4], peer, 3).unwrap();
             r.wait().unwrap();
             assert_eq!(r.into_buffer().unwrap(), 1.0f32.to_le_bytes());
         }
@@ -360,8 +360,8 @@ fn peer_exit_mid_transfer_fails_dependent_operations() {
             }
             let t = Instant::now();
             if g.rank() == 0 {
-                let mut s = g.isend(vec![1u8; 32 << 20], 1, 1).unwrap();
-                let mut r = g.irecv(vec![0u8; 8], 1, 2).unwrap();
+                let s = g.isend(vec![1u8; 32 << 20], 1, 1).unwrap();
+                let r = g.irecv(vec![0u8; 8], 1, 2).unwrap();
                 for res in [s.wait(), r.wait()] {
                     match res {
                         Err(Error::PeerLost {
@@ -385,7 +385,7 @@ fn peer_exit_mid_transfer_fails_dependent_operations() {
             if g.size() > 2 {
                 let other = if g.rank() == 0 { 2 } else { 0 };
                 if g.rank() == 0 || g.rank() == 2 {
-                    let mut r = g.irecv(vec![0u8; 3], other, 5).unwrap();
+                    let r = g.irecv(vec![0u8; 3], other, 5).unwrap();
                     g.send(&[g.rank() as u8; 3], other, 5).unwrap();
                     r.wait().unwrap();
                     assert_eq!(r.into_buffer().unwrap(), vec![other as u8; 3]);
@@ -404,7 +404,7 @@ fn abort_fails_pending_work() {
             std::thread::sleep(Duration::from_millis(300));
             return;
         }
-        let mut r = g.irecv(vec![0u8; 8], peer, 1).unwrap();
+        let r = g.irecv(vec![0u8; 8], peer, 1).unwrap();
         g.abort();
         assert!(matches!(r.wait(), Err(Error::Aborted { .. })));
         assert!(matches!(
@@ -437,7 +437,7 @@ fn a_stopped_peer_times_out_without_closing_anything() {
                         assert_eq!(rc, 0, "kill({sig})");
                     };
                     signal(libc::SIGSTOP);
-                    let mut reply = g.irecv(vec![0i32; 1], 1, 5).unwrap();
+                    let reply = g.irecv(vec![0i32; 1], 1, 5).unwrap();
                     let t = Instant::now();
                     match reply.wait_timeout(Duration::from_millis(300)) {
                         Err(Error::Timeout {
@@ -453,7 +453,7 @@ fn a_stopped_peer_times_out_without_closing_anything() {
                         "a timeout must not close the connection"
                     );
                     // Unrelated traffic is unaffected.
-                    let mut r2 = g.irecv(vec![0u8; 2], 2, 7).unwrap();
+                    let r2 = g.irecv(vec![0u8; 2], 2, 7).unwrap();
                     g.send(&[5u8, 6], 2, 7).unwrap();
                     assert_eq!(r2.wait().unwrap().bytes, 2);
                     signal(libc::SIGCONT);
@@ -503,7 +503,7 @@ fn killed_rank_fails_every_dependent_operation_and_spares_the_rest() {
                 .all_reduce_async(vec![1f32; 1 << 20], distcomm::ReduceOp::Sum)
                 .unwrap();
             let mut lost = 0;
-            for mut w in pending {
+            for w in pending {
                 match w.wait() {
                     Ok(_) => {}
                     Err(Error::PeerLost { peer, .. }) => {
@@ -527,7 +527,7 @@ fn killed_rank_fails_every_dependent_operation_and_spares_the_rest() {
             println!("rank {r}: {lost} operations failed with PeerLost(rank {victim}), collective failed, in {took:?} from posting (victim died ~50 ms in)");
             // The survivors still talk, point-to-point and in a new group.
             let (next, prev) = ((r + 1) % 3, (r + 2) % 3);
-            let mut rr = g.irecv(vec![0u16 as u8; 1], prev, 3).unwrap();
+            let rr = g.irecv(vec![0u16 as u8; 1], prev, 3).unwrap();
             g.send(&[r as u8], next, 3).unwrap();
             rr.wait().unwrap();
             assert_eq!(rr.into_buffer().unwrap(), vec![prev as u8]);
@@ -622,7 +622,7 @@ fn small_and_large_messages_on_one_tag_keep_their_order() {
                         std::thread::sleep(Duration::from_millis(50));
                     }
                     // An early nonblocking receive comes before a later blocking one.
-                    let mut first = g.irecv(vec![0u8; lens[0]], 0, 7).unwrap();
+                    let first = g.irecv(vec![0u8; lens[0]], 0, 7).unwrap();
                     for (i, &len) in lens.iter().enumerate().skip(1) {
                         let mut out = vec![0u8; len];
                         let st = g.recv(&mut out, 0, 7).unwrap();
@@ -670,7 +670,7 @@ fn small_message_refusals_fail_both_sides() {
                 // Wrong element type.
                 let r = if nonblocking {
                     g.isend(vec![1f32; 2], peer, tag)
-                        .and_then(|mut w| w.wait().map(|_| ()))
+                        .and_then(|w| w.wait().map(|_| ()))
                 } else {
                     g.send(&[1f32; 2], peer, tag)
                 };
@@ -686,7 +686,7 @@ fn small_message_refusals_fail_both_sides() {
                 // Too large for the receive.
                 let r = if nonblocking {
                     g.isend(vec![7u8; 16], peer, tag)
-                        .and_then(|mut w| w.wait().map(|_| ()))
+                        .and_then(|w| w.wait().map(|_| ()))
                 } else {
                     g.send(&[7u8; 16], peer, tag)
                 };
@@ -699,7 +699,7 @@ fn small_message_refusals_fail_both_sides() {
             } else {
                 let mut typed = [5i32; 2];
                 let r = if nonblocking {
-                    g.irecv(vec![5i32; 2], peer, tag).and_then(|mut w| w.wait())
+                    g.irecv(vec![5i32; 2], peer, tag).and_then(|w| w.wait())
                 } else {
                     g.recv(&mut typed, peer, tag)
                 };
@@ -707,7 +707,7 @@ fn small_message_refusals_fail_both_sides() {
                 assert_eq!(typed, [5; 2], "a refused message writes nothing");
                 let mut small = [9u8; 8];
                 let r = if nonblocking {
-                    g.irecv(vec![9u8; 8], peer, tag).and_then(|mut w| w.wait())
+                    g.irecv(vec![9u8; 8], peer, tag).and_then(|w| w.wait())
                 } else {
                     g.recv(&mut small, peer, tag)
                 };
@@ -832,11 +832,11 @@ fn lent_memory_is_held_until_the_operation_ends() {
             let drops = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
             for len in [0usize, 8, 1000, 70_000, 1 << 20] {
                 let (rl, rptr) = lend(len, 0, &drops);
-                let mut rw = g
+                let rw = g
                     .irecv_lent(rl, distcomm::DType::U8, Some(prev), 9)
                     .unwrap();
                 let (sl, _) = lend(len, g.rank() as u8 + 1, &drops);
-                let mut sw = g.isend_lent(sl, distcomm::DType::U8, next, 9).unwrap();
+                let sw = g.isend_lent(sl, distcomm::DType::U8, next, 9).unwrap();
                 let st = rw.wait().unwrap();
                 assert_eq!((st.peer, st.bytes), (prev, len));
                 let back = rw.into_buffer().unwrap();

@@ -140,7 +140,7 @@ fn forward_and_backward_between_two_stages_stay_apart() {
                 let t = w.into_tensor().unwrap();
                 assert_eq!(t.data, vec![-((stage.next() * 10 + mb) as f32); 2]);
             }
-            for mut w in outs {
+            for w in outs {
                 w.wait().unwrap();
             }
         },
@@ -163,7 +163,7 @@ fn a_tensor_of_the_wrong_type_is_a_typed_error_on_both_sides() {
             }
             // The pair still works afterwards.
             let peer = 1 - g.rank();
-            let mut r = g.irecv_tensor::<i32>(peer, 4).unwrap();
+            let r = g.irecv_tensor::<i32>(peer, 4).unwrap();
             g.send_tensor(Tensor::new(vec![1], vec![7i32]).unwrap(), peer, 4)
                 .unwrap();
             r.wait().unwrap();

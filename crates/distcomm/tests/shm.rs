@@ -152,7 +152,7 @@ fn a_killed_rank_leaves_no_segment() {
         // The message the victim sent arrives; the next one never will.
         let first = g.irecv(vec![0u8; 4 << 20], 2, 1).unwrap();
         assert_eq!(first.into_buffer().unwrap(), vec![9u8; 4 << 20]);
-        let mut r = g.irecv(vec![0u8; 8 << 20], 2, 1).unwrap();
+        let r = g.irecv(vec![0u8; 8 << 20], 2, 1).unwrap();
         match r.wait() {
             Err(Error::PeerLost { peer: 2, .. }) => {}
             other => panic!("rank {rank}: expected the loss of rank 2, got {other:?}"),

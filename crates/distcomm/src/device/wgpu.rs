@@ -99,7 +99,7 @@ impl Wgpu {
         // Errors outside our scopes (the application's) must not abort the process from a
         // library: wgpu's default handler panics.
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
-            eprintln!("distcomm: uncaptured wgpu error: {e}");
+            crate::diag::always!(WARN, target: "distcomm::device", "uncaptured wgpu error: {e}");
         }));
         let max_buffer = device.limits().max_buffer_size;
         Wgpu {

@@ -122,7 +122,7 @@ impl<D: Device, E: Element + Reducible> StagedWork<D, E> {
     /// Waits up to `timeout`. On timeout nothing is published and the operation stays pending
     /// (wait again later); a failed operation publishes nothing and keeps its error.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<Status> {
-        let block = || match self.work.wait_shared(timeout) {
+        let block = || match self.work.wait_timeout(timeout) {
             Err(e) if e.is_timeout() => Err(e),
             _ => Ok(()),
         };
@@ -174,7 +174,7 @@ impl<D: Device, E: Element + Reducible> StagedWork<D, E> {
     /// Settles a terminal transfer: its outcome, and for a successful staged receive the
     /// upload of the data (the only host → device copy it ever makes).
     fn finish(&self, st: &mut State<D>) -> Result<Status> {
-        let status = self.work.wait_shared(Duration::ZERO)?;
+        let status = self.work.wait_timeout(Duration::ZERO)?;
         let host = self.work.take_buffer()?;
         self.land(st, host, status.bytes).map(|()| status)
     }

@@ -49,8 +49,8 @@ pub enum Kind {
     Ack = 5,
     /// The receiver refused the message (`aux` says why).
     Nack = 6,
-    /// The collective (`ctx`, `tag`) failed on the sender (`fp`: its call; `aux` 1 for a
-    /// desync): fail everything of it here too.
+    /// The collective (`ctx`, `tag`) failed on the sender (`fp`: its call; `aux` bit 0 for a
+    /// desync, bits 8.. the peer whose loss failed it + 1): fail everything of it here too.
     Cancel = 7,
     /// Request to fetch a large message (shared-memory links): like Rts, followed by an 8-byte
     /// payload, the address of the sender's buffer, which the receiver copies from directly;

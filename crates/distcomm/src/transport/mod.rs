@@ -279,7 +279,11 @@ pub(crate) fn connect_mesh(
                 streams[r] = Some(s);
                 missing -= 1;
             }
-            Err(why) => eprintln!("distcomm rank {rank}: refused connection from {from}: {why}"),
+            Err(why) => crate::diag::always!(
+                WARN,
+                target: "distcomm::net",
+                "rank {rank}: refused connection from {from}: {why}"
+            ),
         }
     }
     Ok(streams)

@@ -1082,6 +1082,8 @@ pub(crate) fn setup(
             });
         }
     }
+    // What each link chose and why (the init summary).
+    let mut chose: Vec<String> = vec![String::new(); world];
     for (peer, s) in streams.iter().enumerate() {
         let Some(s) = s else { continue };
         let theirs = read_line(s, deadline);
@@ -1102,9 +1104,18 @@ pub(crate) fn setup(
             }
         };
         let ours = std::mem::replace(&mut verdict[peer], Ok(()));
+        chose[peer] = match (&ours, theirs == "ok") {
+            (Ok(()), true) => "shm".into(),
+            (Err(why), _) => format!("tcp ({why})"),
+            (Ok(()), false) => "tcp (the peer could not map our ring)".into(),
+        };
         match (ours, theirs == "ok", tx[peer].take(), rx[peer].take()) {
             (Ok(()), true, Some((_, t)), Some((h, r))) => {
-                links[peer] = Some(ShmLink::new(t, r, h.pid, cfg.cma && h.cma))
+                let cma = cfg.cma && h.cma;
+                if !cma {
+                    chose[peer] = "shm (no cross-memory attach)".into();
+                }
+                links[peer] = Some(ShmLink::new(t, r, h.pid, cma))
             }
             (ours, _, _, _) if forced[peer] => {
                 cleanup(&tx);
@@ -1118,6 +1129,20 @@ pub(crate) fn setup(
             }
             _ => {}
         }
+    }
+    if tracing::enabled!(target: "distcomm::init", tracing::Level::INFO) {
+        let chose: Vec<String> = (0..world)
+            .filter(|&p| p != rank)
+            .map(|p| format!("{p}:{}", chose[p]))
+            .collect();
+        tracing::info!(
+            target: "distcomm::init",
+            rank,
+            asked = cfg.kind.word(),
+            ring = cap,
+            "links of rank {rank}: {}",
+            chose.join(", ")
+        );
     }
     Ok(links)
 }

@@ -520,6 +520,13 @@ struct Cancel {
     dtype: DType,
     /// Whether it found a desync (otherwise another error).
     desync: bool,
+    /// The peer whose loss made it fail, when that was the cause.
+    lost: Option<usize>,
+}
+
+/// The `aux` word of a Cancel frame: bit 0 desync, bits 8.. the lost peer + 1 (0: none).
+fn cancel_aux(desync: bool, lost: Option<usize>) -> u32 {
+    u32::from(desync) | lost.map_or(0, |p| (p as u32).saturating_add(1) << 8)
 }
 
 impl Cancel {
@@ -527,6 +534,16 @@ impl Cancel {
     fn error(&self, rank: usize, op: &'static str, fp: Fingerprint, dtype: DType) -> Error {
         let theirs = self.fp.describe(self.dtype);
         match (self.desync, self.by == rank) {
+            (false, false) if self.lost.is_some_and(|p| p != rank) => Error::PeerLost {
+                op,
+                rank,
+                peer: self.lost.unwrap_or(self.by),
+                reason: format!(
+                    "rank {} lost its connection to it during collective {theirs} and cancelled \
+                     the collective",
+                    self.by
+                ),
+            },
             (true, false) => Error::Desync {
                 op,
                 rank,
@@ -602,6 +619,23 @@ fn control(kind: Kind, msg_id: u64, aux: u32, len: u64, dtype: DType, fp: Finger
         len,
         fp,
     }
+}
+
+/// The TRACE event of a posted message (`DISTCOMM_DEBUG=TRACE`, subsystem `msg`). Disabled, it
+/// is one relaxed load of tracing's global level and a branch.
+#[inline(always)]
+fn trace_post(what: &str, rank: usize, peer: Option<usize>, env: &Envelope, bytes: usize) {
+    tracing::trace!(
+        target: "distcomm::msg",
+        rank,
+        peer = ?peer,
+        op = env.op,
+        tag = env.tag,
+        ctx = env.ctx,
+        bytes,
+        dtype = ?env.dtype,
+        "{what}"
+    );
 }
 
 fn peer_lost(op: &'static str, rank: usize, peer: usize, reason: &str) -> Error {
@@ -1474,11 +1508,16 @@ impl State {
     fn cancel_collective_from(&mut self, p: usize, h: &Header) {
         let key = (h.ctx, h.tag);
         let rank = self.rank;
+        let lost = (h.aux >> 8)
+            .checked_sub(1)
+            .map(|l| l as usize)
+            .filter(|&l| l < self.peers.len());
         let cancel = Cancel {
             by: p,
             fp: h.fp,
             dtype: h.dtype,
-            desync: h.aux == 1,
+            desync: h.aux & 1 == 1,
+            lost,
         };
         let (hit, kept): (VecDeque<Posted>, VecDeque<Posted>) =
             self.posted.drain(..).partition(|r| (r.ctx, r.tag) == key);
@@ -2249,6 +2288,7 @@ impl Engine {
 
     /// Posts a send. The buffer is owned by the engine until the returned cell completes.
     pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
+        trace_post("isend", self.sh.rank, Some(dst), &env, buf.bytes().len());
         let op = env.op;
         let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
@@ -2366,6 +2406,7 @@ impl Engine {
         buf: BoxBuf,
         src: Option<usize>,
     ) -> (u64, Arc<OpCell>) {
+        trace_post("irecv", self.sh.rank, src, &env, buf.bytes().len());
         let Envelope {
             op,
             dtype,
@@ -2405,7 +2446,14 @@ impl Engine {
 
     /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
     /// operations of it fail too instead of waiting for us; refuses its later messages here.
-    pub(crate) fn cancel_collective(&self, env: Envelope, desync: bool, peers: &[usize]) {
+    /// `lost`: the peer whose loss failed it, if that was the cause (the others name it then).
+    pub(crate) fn cancel_collective(
+        &self,
+        env: Envelope,
+        desync: bool,
+        lost: Option<usize>,
+        peers: &[usize],
+    ) {
         let Envelope {
             dtype,
             ctx,
@@ -2420,13 +2468,14 @@ impl Engine {
             fp,
             dtype,
             desync,
+            lost,
         });
         let hdr = Header {
             kind: Kind::Cancel,
             dtype,
             ctx,
             tag,
-            aux: u32::from(desync),
+            aux: cancel_aux(desync, lost),
             msg_id: 0,
             len: 0,
             fp,
@@ -2495,6 +2544,7 @@ impl Engine {
     /// no handle, no allocation, no acknowledgement frame. Declined (nothing sent) when the
     /// lane cannot take it now; handed to the engine when the answer is slow to come.
     pub(crate) fn send_small(&self, env: Envelope, data: &[u8], dst: usize) -> Fast {
+        trace_post("send (lane)", self.sh.rank, Some(dst), &env, data.len());
         let Some(Some(watch)) = self.sh.watch.get(dst) else {
             return Fast::Declined;
         };
@@ -2534,6 +2584,7 @@ impl Engine {
         out: &mut [u8],
         src: usize,
     ) -> Option<Result<Status>> {
+        trace_post("recv (lane)", self.sh.rank, Some(src), &env, out.len());
         let Some(Some(watch)) = self.sh.watch.get(src) else {
             return None;
         };

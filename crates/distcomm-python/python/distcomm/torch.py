@@ -353,9 +353,10 @@ class ProcessGroupDistcomm(_ProcessGroup):
 
     def send(self, tensors, dst, tag):
         (t,) = tensors
-        st = _Stage()
-        h = st.host(_check(t), read=True, write=False)
-        return _work(self._g.isend(h, _region(h), _REDUCE_DTYPES.get(h.dtype, "u8"), dst, tag))
+        if not t.is_cpu:
+            t = _Stage().host(t, read=True, write=False)
+        _check(t)
+        return DistcommWork(self._g.isend(t, (t.data_ptr(), t.nbytes), _REDUCE_DTYPES.get(t.dtype, "u8"), dst, tag))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)
@@ -365,8 +366,12 @@ class ProcessGroupDistcomm(_ProcessGroup):
 
     def _recv(self, tensors, src, tag):
         (t,) = tensors
+        _check(t)
+        if t.is_cpu:
+            d = _REDUCE_DTYPES.get(t.dtype, "bytes")
+            return DistcommWork(self._g.irecv(t, (t.data_ptr(), t.nbytes), d, src, tag), tensors)
         st = _Stage()
-        h = st.host(_check(t), read=False, write=True)
+        h = st.host(t, read=False, write=True)
         d = _REDUCE_DTYPES.get(h.dtype, "bytes")
         return _work(self._g.irecv(h, _region(h), d, src, tag), [t], st)
 

@@ -71,3 +71,34 @@ def test_distcomm_launch():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env())
     assert p.returncode == 0, p.stdout + p.stderr
     check(p.stdout, world)
+
+
+def _hash_store_body():
+    import torch
+    import torch.distributed as dist
+
+    import distcomm.torch  # noqa: F401
+
+    # A store object handed over directly (HashStore: in-process), as torch's own tests do.
+    dist.init_process_group("distcomm", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.arange(4.0)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.arange(4.0))
+    sub = dist.new_group([0])
+    dist.all_reduce(x, group=sub)
+    dist.destroy_process_group()
+    # And again in the same process: a new world over a new store.
+    dist.init_process_group("distcomm", store=dist.HashStore(), rank=0, world_size=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def test_hash_store_and_reinit():
+    from harness import run_ranks
+
+    assert run_ranks(lambda_free_hash_store, 1, init=None) == [True]
+
+
+def lambda_free_hash_store(rank, world):
+    return _hash_store_body()

@@ -16,6 +16,7 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 
 use crate::errors::{invalid, to_py};
+use crate::scratch::{Buf, Scratch};
 use crate::store::PyStore;
 use crate::work::{Job, Queue, State, Work};
 
@@ -187,17 +188,25 @@ fn contiguous(parts: &[Region]) -> Option<Region> {
     Some((first.0, end - first.0))
 }
 
-/// The bytes of `parts` in one vector.
+/// The bytes of `parts`, one after the other, in a scratch buffer.
 ///
 /// # Safety
 /// As [`view`], for reading.
-unsafe fn concat(op: &'static str, rank: usize, parts: &[Region]) -> Result<Vec<u8>> {
-    let mut v = Vec::with_capacity(parts.iter().map(|p| p.1).sum());
+unsafe fn concat<'s>(
+    scratch: &'s Scratch,
+    op: &'static str,
+    rank: usize,
+    parts: &[Region],
+) -> Result<Buf<'s>> {
+    let mut buf = scratch.get(parts.iter().map(|p| p.1).sum());
+    let dst = buf.bytes();
+    let mut at = 0;
     for &p in parts {
         // SAFETY: forwarded from the caller.
-        v.extend_from_slice(unsafe { view::<u8>(op, rank, p)? });
+        dst[at..at + p.1].copy_from_slice(unsafe { view::<u8>(op, rank, p)? });
+        at += p.1;
     }
-    Ok(v)
+    Ok(buf)
 }
 
 /// Copies `src` into `parts` in order.
@@ -220,6 +229,7 @@ unsafe fn spread(op: &'static str, rank: usize, src: &[u8], parts: &[Region]) ->
 pub struct Group {
     pg: Arc<ProcessGroup>,
     queue: Arc<Queue>,
+    scratch: Arc<Scratch>,
 }
 
 impl Group {
@@ -228,6 +238,7 @@ impl Group {
         Group {
             queue: Arc::new(Queue::new(name, rank)),
             pg: Arc::new(pg),
+            scratch: Arc::default(),
         }
     }
 
@@ -242,13 +253,14 @@ impl Group {
         op: &'static str,
         sync: bool,
         keep: Py<PyAny>,
-        f: impl FnOnce(&ProcessGroup) -> Result<()> + Send + 'static,
+        f: impl FnOnce(&ProcessGroup, &Scratch) -> Result<()> + Send + 'static,
     ) -> PyResult<Option<Work>> {
         let pg = self.pg.clone();
+        let scratch = self.scratch.clone();
         let mem = Mem { _keep: keep };
         let rank = pg.rank();
         let job: Job = Box::new(move || {
-            let r = f(&pg);
+            let r = f(&pg, &scratch);
             drop(mem);
             r.map(|()| Status {
                 peer: rank,
@@ -393,7 +405,7 @@ impl Group {
     ) -> PyResult<Option<Work>> {
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
         let name = "all_reduce";
-        self.run(py, name, sync, keep, move |g| {
+        self.run(py, name, sync, keep, move |g, scratch| {
             let me = g.rank();
             typed!(dt, T => {
                 if let [one] = regions.as_slice() {
@@ -401,12 +413,10 @@ impl Group {
                     return g.all_reduce(unsafe { view::<T>(name, me, *one)? }, op);
                 }
                 // SAFETY: as above; the regions are read, then written, one at a time.
-                let mut flat = unsafe { concat(name, me, &regions)? };
-                let mut typed_flat: Vec<T> = bytes_to_vec(&flat);
-                g.all_reduce(&mut typed_flat, op)?;
-                flat.copy_from_slice(bytemuck::cast_slice(&typed_flat));
+                let mut flat = unsafe { concat(scratch, name, me, &regions)? };
+                g.all_reduce(flat.typed::<T>(), op)?;
                 // SAFETY: as above.
-                unsafe { spread(name, me, &flat, &regions) }
+                unsafe { spread(name, me, flat.bytes(), &regions) }
             })
         })
     }
@@ -420,7 +430,7 @@ impl Group {
         root: usize,
         sync: bool,
     ) -> PyResult<Option<Work>> {
-        self.run(py, "broadcast", sync, keep, move |g| {
+        self.run(py, "broadcast", sync, keep, move |g, _| {
             // SAFETY: a live tensor's memory (kept by the job), ours alone while in flight.
             let buf = unsafe { view::<u8>("broadcast", g.rank(), region)? };
             g.broadcast(buf, root)
@@ -440,7 +450,7 @@ impl Group {
         sync: bool,
     ) -> PyResult<Option<Work>> {
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
-        self.run(py, "reduce", sync, keep, move |g| {
+        self.run(py, "reduce", sync, keep, move |g, scratch| {
             typed!(dt, T => {
                 // SAFETY: a live tensor's memory (kept by the job), ours alone while in flight.
                 let buf = unsafe { view::<T>("reduce", g.rank(), region)? };
@@ -448,8 +458,10 @@ impl Group {
                     return g.reduce(buf, root, op);
                 }
                 // torch leaves non-root tensors as they were; distcomm leaves partial sums.
-                let mut scratch = buf.to_vec();
-                g.reduce(&mut scratch, root, op)
+                let mut copy = scratch.get(region.1);
+                let copy = copy.typed::<T>();
+                copy.copy_from_slice(buf);
+                g.reduce(copy, root, op)
             })
         })
     }
@@ -470,22 +482,22 @@ impl Group {
                 input.1
             )));
         }
-        self.run(py, "all_gather", sync, keep, move |g| {
+        self.run(py, "all_gather", sync, keep, move |g, scratch| {
             let me = g.rank();
             let op = "all_gather";
             // SAFETY (every view and copy below): live tensors kept by the job, ours alone
             // while in flight; an input that overlaps an output is copied first.
-            let inp = unsafe { owned_if_overlapping(op, me, input, &outputs)? };
-            let inp_ref: &[u8] = match &inp {
-                Some(v) => v,
+            let mut inp = unsafe { owned_if_overlapping(scratch, op, me, input, &outputs)? };
+            let inp_ref: &[u8] = match &mut inp {
+                Some(v) => v.bytes(),
                 None => unsafe { view::<u8>(op, me, input)? },
             };
             match contiguous(&outputs) {
                 Some(all) => g.all_gather(inp_ref, unsafe { view::<u8>(op, me, all)? }),
                 None => {
-                    let mut flat = vec![0u8; input.1 * n];
-                    g.all_gather(inp_ref, &mut flat)?;
-                    unsafe { spread(op, me, &flat, &outputs) }
+                    let mut flat = scratch.get(input.1 * n);
+                    g.all_gather(inp_ref, flat.bytes())?;
+                    unsafe { spread(op, me, flat.bytes(), &outputs) }
                 }
             }
         })
@@ -509,13 +521,13 @@ impl Group {
                 input.1
             )));
         }
-        self.run(py, "gather", sync, keep, move |g| {
+        self.run(py, "gather", sync, keep, move |g, scratch| {
             let op = "gather";
             // SAFETY (every view and copy below): live tensors kept by the job, ours alone
             // while in flight; an input that overlaps an output is copied first.
-            let inp = unsafe { owned_if_overlapping(op, me, input, &outputs)? };
-            let inp_ref: &[u8] = match &inp {
-                Some(v) => v,
+            let mut inp = unsafe { owned_if_overlapping(scratch, op, me, input, &outputs)? };
+            let inp_ref: &[u8] = match &mut inp {
+                Some(v) => v.bytes(),
                 None => unsafe { view::<u8>(op, me, input)? },
             };
             if me != root {
@@ -524,9 +536,9 @@ impl Group {
             match contiguous(&outputs) {
                 Some(all) => g.gather(inp_ref, Some(unsafe { view::<u8>(op, me, all)? }), root),
                 None => {
-                    let mut flat = vec![0u8; input.1 * n];
-                    g.gather(inp_ref, Some(&mut flat), root)?;
-                    unsafe { spread(op, me, &flat, &outputs) }
+                    let mut flat = scratch.get(input.1 * n);
+                    g.gather(inp_ref, Some(flat.bytes()), root)?;
+                    unsafe { spread(op, me, flat.bytes(), &outputs) }
                 }
             }
         })
@@ -550,7 +562,7 @@ impl Group {
                 output.1
             )));
         }
-        self.run(py, "scatter", sync, keep, move |g| {
+        self.run(py, "scatter", sync, keep, move |g, scratch| {
             let op = "scatter";
             // SAFETY (every view and copy below): live tensors kept by the job, ours alone
             // while in flight; inputs are copied when they are not one block or overlap the
@@ -562,8 +574,8 @@ impl Group {
             match contiguous(&inputs).filter(|all| !overlaps(*all, output)) {
                 Some(all) => g.scatter(Some(unsafe { view::<u8>(op, me, all)? }), out, root),
                 None => {
-                    let flat = unsafe { concat(op, me, &inputs)? };
-                    g.scatter(Some(&flat), out, root)
+                    let mut flat = unsafe { concat(scratch, op, me, &inputs)? };
+                    g.scatter(Some(flat.bytes()), out, root)
                 }
             }
         })
@@ -589,7 +601,7 @@ impl Group {
             )));
         }
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
-        self.run(py, "reduce_scatter", sync, keep, move |g| {
+        self.run(py, "reduce_scatter", sync, keep, move |g, scratch| {
             let me = g.rank();
             let name = "reduce_scatter";
             typed!(dt, T => {
@@ -600,8 +612,8 @@ impl Group {
                 match contiguous(&inputs).filter(|all| !overlaps(*all, output)) {
                     Some(all) => g.reduce_scatter(unsafe { view::<T>(name, me, all)? }, out, op),
                     None => {
-                        let flat: Vec<T> = bytes_to_vec(&unsafe { concat(name, me, &inputs)? });
-                        g.reduce_scatter(&flat, out, op)
+                        let mut flat = unsafe { concat(scratch, name, me, &inputs)? };
+                        g.reduce_scatter(flat.typed::<T>(), out, op)
                     }
                 }
             })
@@ -626,7 +638,7 @@ impl Group {
                 outputs.len()
             )));
         }
-        self.run(py, "all_to_all", sync, keep, move |g| {
+        self.run(py, "all_to_all", sync, keep, move |g, scratch| {
             let me = g.rank();
             let op = "all_to_all";
             let send: Vec<usize> = inputs.iter().map(|r| r.1).collect();
@@ -638,30 +650,26 @@ impl Group {
             let out_all = contiguous(&outputs);
             let inp_all =
                 contiguous(&inputs).filter(|all| outputs.iter().all(|o| !overlaps(*all, *o)));
-            let owned;
+            let mut owned;
             let inp: &[u8] = match inp_all {
                 Some(all) => unsafe { view::<u8>(op, me, all)? },
                 None => {
-                    owned = unsafe { concat(op, me, &inputs)? };
-                    &owned
+                    owned = unsafe { concat(scratch, op, me, &inputs)? };
+                    owned.bytes()
                 }
             };
-            let mut flat;
+            let mut flat = None;
             let out: &mut [u8] = match out_all {
                 Some(all) => unsafe { view::<u8>(op, me, all)? },
-                None => {
-                    flat = vec![0u8; recv.iter().sum()];
-                    &mut flat
-                }
+                None => flat.insert(scratch.get(recv.iter().sum())).bytes(),
             };
             if even {
                 g.all_to_all(inp, out)?;
             } else {
                 g.all_to_all_v(inp, &send, out, &recv)?;
             }
-            if out_all.is_none() {
-                let src = out.to_vec();
-                unsafe { spread(op, me, &src, &outputs)? };
+            if let Some(mut flat) = flat {
+                unsafe { spread(op, me, flat.bytes(), &outputs)? };
             }
             Ok(())
         })
@@ -670,7 +678,7 @@ impl Group {
     /// barrier over the group.
     fn barrier(&self, py: Python<'_>, sync: bool) -> PyResult<Option<Work>> {
         let keep = py.None();
-        self.run(py, "barrier", sync, keep, |g| g.barrier())
+        self.run(py, "barrier", sync, keep, |g, _| g.barrier())
     }
 
     /// A barrier whose root (rank 0) names the ranks that did not arrive within `timeout`
@@ -757,20 +765,16 @@ fn lend(tensor: Py<PyAny>, region: Region) -> Lent {
 ///
 /// # Safety
 /// As [`view`], for reading `input`.
-unsafe fn owned_if_overlapping(
+unsafe fn owned_if_overlapping<'s>(
+    scratch: &'s Scratch,
     op: &'static str,
     rank: usize,
     input: Region,
     outputs: &[Region],
-) -> Result<Option<Vec<u8>>> {
+) -> Result<Option<Buf<'s>>> {
     if outputs.iter().any(|o| overlaps(input, *o)) {
         // SAFETY: forwarded from the caller.
-        return Ok(Some(unsafe { view::<u8>(op, rank, input)? }.to_vec()));
+        return Ok(Some(unsafe { concat(scratch, op, rank, &[input])? }));
     }
     Ok(None)
-}
-
-/// Bytes as elements (copied: the bytes need not be aligned for `T`).
-fn bytes_to_vec<T: Reducible>(b: &[u8]) -> Vec<T> {
-    bytemuck::pod_collect_to_vec(b)
 }

@@ -5,6 +5,7 @@
 
 mod errors;
 mod group;
+mod scratch;
 mod store;
 mod work;
 

@@ -7,6 +7,7 @@ at the deadline and named.
 
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -16,6 +17,9 @@ import pytest
 
 def _entry(fn, rank, world, init, args, q, env):
     os.environ.update(env)
+    # Tools installed beside this interpreter (DeepSpeed's JIT builds call `ninja`).
+    bindir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         import torch.distributed as dist
 

@@ -257,6 +257,24 @@ class ProcessGroupDistcomm(_ProcessGroup):
     def __init__(self, group, rank, size):
         super().__init__(rank, size)
         self._g = group
+        self._name = ""
+        self._desc = ""
+
+    # torch names a group through its C++ backend, which a group returned by a backend
+    # creator does not have: keep the names here.
+    def _set_group_name(self, name):
+        self._name = name
+
+    def _set_group_desc(self, desc):
+        self._desc = desc
+
+    @property
+    def group_name(self):
+        return self._name
+
+    @property
+    def group_desc(self):
+        return self._desc
 
     # --- identity -------------------------------------------------------------------------
 

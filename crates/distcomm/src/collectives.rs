@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::algorithms::{self as alg, Schedule, Space, Step};
 use crate::call::Fingerprint;
+use crate::completion::{block, Deadline, Driver, OpCell, RawView};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
@@ -29,7 +30,7 @@ use crate::intranode::{Arena, Ticket};
 use crate::mpi::{Coll, Comm as MpiComm};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::tcp::Envelope;
-use crate::work::{block, Deadline, Driver, OpCell, RawView, Work};
+use crate::work::Work;
 
 use crate::call::CallKind;
 

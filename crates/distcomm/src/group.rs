@@ -473,7 +473,9 @@ pub(crate) const CTX_USER: u32 = 0;
 pub(crate) const CTX_BARRIER: u32 = 1;
 pub(crate) const CTX_COLL: u32 = 2;
 pub(crate) const CTX_PIPE: u32 = 3;
-const CTX_PER_GROUP: u32 = 4;
+/// Contexts each group owns (user, barrier, collectives, pipeline): a group's contexts start at its
+/// number times this.
+pub(crate) const CTX_PER_GROUP: u32 = 4;
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -70,6 +70,7 @@ pub mod algorithms;
 pub mod call;
 mod collectives;
 pub mod commslog;
+mod completion;
 pub mod config;
 mod crypto;
 pub mod device;

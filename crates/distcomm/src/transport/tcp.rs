@@ -57,9 +57,9 @@ use super::frame::{
 #[cfg(target_os = "linux")]
 use super::shm;
 use super::{LaneMsg, LinkKind, ShmLink, ShmWatch};
+use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::work::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 
 /// Everything about a posted operation except its buffer and its peer.
 #[derive(Debug, Clone, Copy)]

@@ -243,7 +243,7 @@ impl Group {
         sync: bool,
         keep: Py<PyAny>,
         f: impl FnOnce(&ProcessGroup) -> Result<()> + Send + 'static,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let pg = self.pg.clone();
         let mem = Mem { _keep: keep };
         let rank = pg.rank();
@@ -390,7 +390,7 @@ impl Group {
         dtype: &str,
         op: &str,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
         let name = "all_reduce";
         self.run(py, name, sync, keep, move |g| {
@@ -419,7 +419,7 @@ impl Group {
         region: Region,
         root: usize,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         self.run(py, "broadcast", sync, keep, move |g| {
             // SAFETY: a live tensor's memory (kept by the job), ours alone while in flight.
             let buf = unsafe { view::<u8>("broadcast", g.rank(), region)? };
@@ -438,7 +438,7 @@ impl Group {
         op: &str,
         root: usize,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
         self.run(py, "reduce", sync, keep, move |g| {
             typed!(dt, T => {
@@ -462,7 +462,7 @@ impl Group {
         input: Region,
         outputs: Vec<Region>,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         if outputs.len() != n || outputs.iter().any(|o| o.1 != input.1) {
             return Err(invalid(format!(
@@ -500,7 +500,7 @@ impl Group {
         outputs: Vec<Region>,
         root: usize,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         let me = self.pg.rank();
         if me == root && (outputs.len() != n || outputs.iter().any(|o| o.1 != input.1)) {
@@ -541,7 +541,7 @@ impl Group {
         output: Region,
         root: usize,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         let me = self.pg.rank();
         if me == root && (inputs.len() != n || inputs.iter().any(|i| i.1 != output.1)) {
@@ -580,7 +580,7 @@ impl Group {
         dtype: &str,
         op: &str,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         if inputs.len() != n || inputs.iter().any(|i| i.1 != output.1) {
             return Err(invalid(format!(
@@ -617,7 +617,7 @@ impl Group {
         inputs: Vec<Region>,
         outputs: Vec<Region>,
         sync: bool,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         if inputs.len() != n || outputs.len() != n {
             return Err(invalid(format!(
@@ -668,7 +668,7 @@ impl Group {
     }
 
     /// barrier over the group.
-    fn barrier(&self, py: Python<'_>, sync: bool) -> PyResult<Work> {
+    fn barrier(&self, py: Python<'_>, sync: bool) -> PyResult<Option<Work>> {
         let keep = py.None();
         self.run(py, "barrier", sync, keep, |g| g.barrier())
     }

@@ -1,9 +1,8 @@
 //! Handles of operations as Python sees them, and the issue-order queue of a group's
 //! asynchronous collectives.
 //!
-//! A [`Work`] is one of: an operation that already finished (a synchronous collective run in
-//! the caller's thread), a point-to-point operation in distcomm's engine, or a collective on
-//! the group's queue. Its outcome is sticky; waits release the GIL; `is_completed` never
+//! A [`Work`] is a point-to-point operation in distcomm's engine or a collective on the
+//! group's queue (a synchronous collective has no handle: it is done when its call returns). Its outcome is sticky; waits release the GIL; `is_completed` never
 //! blocks. Dropping a Python handle never withdraws its operation: the operation owns the
 //! tensors it touches (through [`distcomm::Lent`] or the job's closure) until it ends.
 
@@ -85,8 +84,10 @@ impl Queue {
         }
     }
 
-    /// Runs `job` (a synchronous call: at once if the queue is empty) and returns its handle.
-    /// `py` is released while a synchronous job runs here.
+    /// Runs `job`. A synchronous call runs at once in this thread when nothing is queued
+    /// before it, else waits for its turn; either way it returns `None` once done (or raises
+    /// its error), with the GIL released meanwhile. An asynchronous call is queued and returns
+    /// its handle.
     pub fn submit(
         &self,
         py: Python<'_>,
@@ -94,10 +95,12 @@ impl Queue {
         sync: bool,
         timeout: Duration,
         job: Job,
-    ) -> PyResult<Work> {
+    ) -> PyResult<Option<Work>> {
         if sync && self.pending.load(Ordering::Acquire) == 0 {
-            let r = py.detach(job);
-            return Ok(Work::finished(op, self.rank, r, timeout));
+            return match py.detach(job) {
+                Ok(_) => Ok(None),
+                Err(e) => Err(to_py(py, &e)),
+            };
         }
         let done = Arc::new(Done::default());
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
@@ -129,12 +132,16 @@ impl Queue {
             };
             return Err(to_py(py, &e));
         }
-        Ok(Work::new(op, self.rank, State::Queued(done), timeout))
+        let w = Work::new(op, self.rank, State::Queued(done), timeout);
+        if sync {
+            w.block(py, timeout).map_err(|e| to_py(py, &e))?;
+            return Ok(None);
+        }
+        Ok(Some(w))
     }
 }
 
 pub enum State {
-    Finished(Outcome),
     P2p(distcomm::Work<Lent>),
     Queued(Arc<Done>),
 }
@@ -161,16 +168,11 @@ impl Work {
         }
     }
 
-    pub fn finished(op: &'static str, rank: usize, r: Outcome, timeout: Duration) -> Work {
-        Work::new(op, rank, State::Finished(r), timeout)
-    }
-
     /// The outcome if terminal, without blocking.
     fn poll(&self) -> Option<Outcome> {
         let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
         if o.is_none() {
             *o = match &self.state {
-                State::Finished(r) => Some(r.clone()),
                 State::P2p(w) => w.is_completed().then(|| w.wait_timeout(Duration::ZERO)),
                 State::Queued(d) => d.get(),
             };
@@ -184,7 +186,6 @@ impl Work {
             return r;
         }
         let r = py.detach(|| match &self.state {
-            State::Finished(r) => Some(r.clone()),
             State::P2p(w) => match w.wait_timeout(timeout) {
                 Err(e) if e.is_timeout() && !w.is_completed() => None,
                 r => Some(r),

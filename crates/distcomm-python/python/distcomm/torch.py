@@ -74,6 +74,10 @@ _OPS = {
     _R.PREMUL_SUM: "sum",
 }
 
+# Operators without a factor, keyed by torch's ReduceOp objects (they hash and compare by
+# their type), for the fast path.
+_FAST_OPS = {dist.ReduceOp(o): n for o, n in _OPS.items() if o != _R.PREMUL_SUM}
+
 _CPU = torch.device("cpu")
 
 
@@ -103,11 +107,14 @@ def world_group():
 class _Stage:
     """Device tensors of one operation and their host copies (design contract 5)."""
 
-    __slots__ = ("pairs", "done")
+    __slots__ = ("pairs", "done", "lock")
 
     def __init__(self):
         self.pairs = []
         self.done = False
+        # Publishers (wait / is_completed, the future's thread) take turns: none returns
+        # before the copies back are made, and they are made once.
+        self.lock = threading.Lock()
 
     def host(self, t, read, write):
         if t.device.type == "cpu":
@@ -120,10 +127,11 @@ class _Stage:
         return h
 
     def publish(self):
-        if not self.done:
-            self.done = True
-            for dev, h in self.pairs:
-                dev.copy_(h)
+        with self.lock:
+            if not self.done:
+                self.done = True
+                for dev, h in self.pairs:
+                    dev.copy_(h)
 
 
 def _check(t, what="tensor"):
@@ -245,9 +253,44 @@ class DistcommWork(_TorchWork):
         return f"DistcommWork({self._w!r})"
 
 
+class _DoneWork(_TorchWork):
+    """The handle of a synchronous call, which returns only once it is done (or raised)."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return []
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result([])
+        return fut
+
+
+_DONE = _DoneWork()
+
+
 def _work(w, result=None, stage=None):
+    """torch's handle for the Rust call's outcome (`None`: a synchronous call that is done)."""
     if stage is not None and not stage.pairs:
         stage = None
+    if w is None:
+        if stage is not None:
+            stage.publish()
+        return _DONE
     return DistcommWork(w, result, stage)
 
 
@@ -310,9 +353,10 @@ class ProcessGroupDistcomm(_ProcessGroup):
 
     def send(self, tensors, dst, tag):
         (t,) = tensors
-        st = _Stage()
-        h = st.host(_check(t), read=True, write=False)
-        return _work(self._g.isend(h, _region(h), _REDUCE_DTYPES.get(h.dtype, "u8"), dst, tag))
+        if not t.is_cpu:
+            t = _Stage().host(t, read=True, write=False)
+        _check(t)
+        return DistcommWork(self._g.isend(t, (t.data_ptr(), t.nbytes), _REDUCE_DTYPES.get(t.dtype, "u8"), dst, tag))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)
@@ -322,24 +366,26 @@ class ProcessGroupDistcomm(_ProcessGroup):
 
     def _recv(self, tensors, src, tag):
         (t,) = tensors
+        _check(t)
+        if t.is_cpu:
+            d = _REDUCE_DTYPES.get(t.dtype, "bytes")
+            return DistcommWork(self._g.irecv(t, (t.data_ptr(), t.nbytes), d, src, tag), tensors)
         st = _Stage()
-        h = st.host(_check(t), read=False, write=True)
+        h = st.host(t, read=False, write=True)
         d = _REDUCE_DTYPES.get(h.dtype, "bytes")
         return _work(self._g.irecv(h, _region(h), d, src, tag), [t], st)
 
     # --- collectives ----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts):
+        # The path of every blocking all_reduce of one CPU tensor: as little Python as it takes.
         if len(tensors) == 1:
             t = tensors[0]
-            if t.device.type == "cpu":
-                _check(t)
-                _premul(opts.reduceOp, t, True)
-                w = self._g.all_reduce(
-                    tensors, [_region(t)], _rdtype(t, "all_reduce"), _op(opts.reduceOp),
-                    not opts.asyncOp,
-                )
-                return DistcommWork(w, tensors)
+            op = _FAST_OPS.get(opts.reduceOp)
+            if op is not None and t.is_cpu and t.is_contiguous():
+                d = _REDUCE_DTYPES.get(t.dtype) or _rdtype(t, "all_reduce")
+                w = self._g.all_reduce(tensors, [(t.data_ptr(), t.nbytes)], d, op, not opts.asyncOp)
+                return _DONE if w is None else DistcommWork(w, tensors)
         return self._allreduce_many(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts):
@@ -472,7 +518,7 @@ class ProcessGroupDistcomm(_ProcessGroup):
 
     def barrier(self, opts=None):
         sync = not getattr(opts, "asyncOp", False) if opts is not None else True
-        return DistcommWork(self._g.barrier(sync))
+        return _work(self._g.barrier(sync))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         s = _seconds(timeout) or self._g.timeout()
@@ -498,12 +544,15 @@ class _Closed:
         raise dist.DistBackendError("distcomm: the process group was destroyed")
 
 
-class _Many(DistcommWork):
+class _Many(_TorchWork):
     """One handle over several operations (coalesced calls)."""
 
     def __init__(self, works, result):
-        super().__init__(works[-1]._w if works else _distcomm_done(), result)
+        super().__init__()
+        if not works:
+            raise ValueError("distcomm: a coalesced call needs at least one tensor")
         self._works = works
+        self._result = result
 
     def wait(self, timeout=None):
         for w in self._works:
@@ -523,9 +572,24 @@ class _Many(DistcommWork):
                 return e
         return None
 
+    def result(self):
+        return self._result
 
-def _distcomm_done():
-    raise ValueError("distcomm: a coalesced call needs at least one tensor")
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        fut = torch.futures.Future()
+
+        def settle():
+            try:
+                self.wait()
+                fut.set_result(self._result)
+            except Exception as e:  # noqa: BLE001 - handed to the future's waiter
+                fut.set_exception(e)
+
+        threading.Thread(target=settle, name="distcomm-future", daemon=True).start()
+        return fut
 
 
 def _split(t, n, chunk, op):

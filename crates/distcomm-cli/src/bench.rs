@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use distcomm::commslog::bus_factor;
 use distcomm::{DType, Error, ProcessGroup, Result};
 use serde::Serialize;
 
@@ -26,7 +27,8 @@ pub struct BenchArgs {
     /// Write the results as JSON records to FILE.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Draw bus bandwidth against size, one line per op, into FILE.svg.
+    /// Draw bandwidth against size into FILE.svg: one chart for point-to-point, one for the
+    /// collectives (bus bandwidth), one line per op.
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Skip result verification.
@@ -110,6 +112,8 @@ pub struct Record {
     pub transport: &'static str,
     pub iters: usize,
     pub time_us: f64,
+    /// Interquartile range of the timed repetitions (batches, loops), % of the reported time.
+    pub spread_pct: f64,
     pub algbw_gbs: f64,
     pub busbw_gbs: f64,
     /// `bench staging` only.
@@ -187,24 +191,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bar.println(line);
         }
     };
+    let title = Title {
+        suite: args.suite.clone(),
+        world: group.size(),
+        transport: group.transport(),
+        backend: if group.transport() == "mpi" {
+            "mpi"
+        } else {
+            "native"
+        },
+        dtype: args.dtype.clone(),
+    };
     if lead {
-        say(format!(
-            "# distcomm bench {}: world {}, transport {}",
-            args.suite,
-            group.size(),
-            group.transport()
-        ));
+        say(format!("# {}", title.line()));
         if args.suite == "staging" {
             say("# staged op on device buffers vs the same op on host buffers; ratio = staged ÷ (host + the copies it must make, timed alone)".into());
-        } else {
-            say(format!(
-                "# {:>10} {:>10} {:>6} {:>14} {:>11} {:>12} {:>12} {:>6}",
-                "size", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "check"
-            ));
         }
     }
     let mut records = Vec::new();
+    let mut coll_header = false;
     for suite in &suites {
+        if lead {
+            for line in header(suite, group.size(), args.window.max(1), &mut coll_header) {
+                say(line);
+            }
+        }
         // A barrier has no size.
         let sizes = if *suite == "barrier" {
             &sizes[..1]
@@ -236,17 +247,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     records.push(rec);
                     continue;
                 }
-                say(format!(
-                    "  {:>10} {:>10} {:>6} {:>14} {:>11.2} {:>12.3} {:>12.3} {:>6}",
-                    rec.bytes,
-                    rec.bytes / rec.elem.max(1),
-                    rec.dtype,
-                    rec.op,
-                    rec.time_us,
-                    rec.algbw_gbs,
-                    rec.busbw_gbs,
-                    if args.no_check { "skip" } else { "ok" }
-                ));
+                let check = if args.no_check { "skip" } else { "ok" };
+                say(row(&rec, check));
                 records.push(rec);
             }
             bar.inc(1);
@@ -257,15 +259,146 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(path) = &args.json {
             let text = serde_json::to_string_pretty(&records)
                 .map_err(|e| Error::Config(format!("serialise results: {e}")))?;
-            std::fs::write(path, text)
-                .map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+            write_out(path, &text, &format!("{} JSON records", records.len()))?;
         }
         if let Some(path) = &args.plot {
-            std::fs::write(path, crate::plot::svg(&records))
-                .map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+            let (svg, charts) = crate::plot::svg(&records, &title)?;
+            write_out(path, &svg, &format!("a plot ({charts})"))?;
         }
     }
     Ok(())
+}
+
+/// Writes `text` to `path` and says so.
+fn write_out(path: &std::path::Path, text: &str, what: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+    let shown = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    println!("# wrote {what} to {}", shown.display());
+    Ok(())
+}
+
+/// What a run measured on what: the output's first line and the plot's title.
+pub struct Title {
+    pub suite: String,
+    pub world: usize,
+    pub transport: &'static str,
+    pub backend: &'static str,
+    pub dtype: String,
+}
+
+impl Title {
+    pub fn line(&self) -> String {
+        format!(
+            "distcomm bench {}: world {}, transport {}, backend {}, collectives on {}",
+            self.suite, self.world, self.transport, self.backend, self.dtype
+        )
+    }
+}
+
+/// Whether `op` is point-to-point (timed and drawn apart from the collectives).
+pub fn is_p2p(op: &str) -> bool {
+    matches!(op, "pingpong" | "stream")
+}
+
+/// The column header of `suite`, with what is timed and how (`coll_done`: the collectives'
+/// header is out already; they share it).
+fn header(suite: &str, n: usize, window: usize, coll_done: &mut bool) -> Vec<String> {
+    let spread = "spread = interquartile range of the timed repetitions, % of time";
+    match suite {
+        "p2p" => vec![
+            "#".into(),
+            "# pingpong: ranks 0 and 1 send a message back and forth; time = half a round trip, \
+             median of ~40 timed batches"
+                .into(),
+            format!(
+                "# stream: rank 0 posts {window} isends of size bytes, rank 1 as many irecvs; \
+                 time = per message, median over windows"
+            ),
+            format!("# bw = size / time; iters = messages timed; {spread}"),
+            format!(
+                "# {:>10} {:>14} {:>7} {:>11} {:>10} {:>7} {:>6}",
+                "size", "op", "iters", "time(us)", "bw(GB/s)", "spread", "check"
+            ),
+        ],
+        "staging" => Vec::new(),
+        _ if !std::mem::replace(coll_done, true) => {
+            let mut v = vec![
+                "#".into(),
+                format!(
+                    "# collectives: size = bytes per rank (the nccl-tests convention); time = \
+                     mean per call over a loop, of the slowest rank, median of {REPS} loops"
+                ),
+                format!(
+                    "# algbw = size / time; busbw = algbw x {} (all_reduce), x {} (all_gather, \
+                     reduce_scatter, all_to_all, gather, scatter), x 1 (broadcast, reduce)",
+                    fmt_factor(bus_factor("all_reduce", n)),
+                    fmt_factor(bus_factor("all_gather", n)),
+                ),
+                format!("# iters = calls timed; {spread}; a barrier has no size"),
+            ];
+            v.push(format!(
+                "# {:>10} {:>10} {:>6} {:>17} {:>7} {:>11} {:>12} {:>12} {:>7} {:>6}",
+                "size",
+                "count",
+                "type",
+                "op",
+                "iters",
+                "time(us)",
+                "algbw(GB/s)",
+                "busbw(GB/s)",
+                "spread",
+                "check"
+            ));
+            v
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn fmt_factor(f: f64) -> String {
+    format!("{f:.3}")
+        .trim_end_matches('0')
+        .trim_end_matches('.')
+        .to_string()
+}
+
+/// One result line under its header.
+fn row(rec: &Record, check: &str) -> String {
+    let spread = format!("{:.0}%", rec.spread_pct);
+    if is_p2p(rec.op) {
+        return format!(
+            "  {:>10} {:>14} {:>7} {:>11.2} {:>10.3} {:>7} {:>6}",
+            rec.bytes, rec.op, rec.iters, rec.time_us, rec.algbw_gbs, spread, check
+        );
+    }
+    format!(
+        "  {:>10} {:>10} {:>6} {:>17} {:>7} {:>11.2} {:>12.3} {:>12.3} {:>7} {:>6}",
+        rec.bytes,
+        rec.bytes / rec.elem.max(1),
+        rec.dtype,
+        rec.op,
+        rec.iters,
+        rec.time_us,
+        rec.algbw_gbs,
+        rec.busbw_gbs,
+        spread,
+        check
+    )
+}
+
+/// Timed loops per collective row (the reported time is their median).
+pub const REPS: usize = 5;
+
+/// The median of `samples` and their interquartile range in % of it.
+pub fn median_spread(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |p: f64| {
+        v.get(((v.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+    };
+    let med = at(0.5).unwrap_or(0.0);
+    let iqr = at(0.75).unwrap_or(0.0) - at(0.25).unwrap_or(0.0);
+    (med, if med > 0.0 { 100.0 * iqr / med } else { 0.0 })
 }
 
 fn self_launch(args: &BenchArgs) -> Result<()> {
@@ -303,9 +436,8 @@ fn verify(buf: &[u8], seed: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+pub fn median(v: Vec<f64>) -> f64 {
+    median_spread(v).0
 }
 
 /// A result with algbw = bytes / time and busbw = algbw × `factor` (nccl-tests).
@@ -332,6 +464,7 @@ pub fn record(
         transport: g.transport(),
         iters,
         time_us: secs * 1e6,
+        spread_pct: 0.0,
         algbw_gbs: algbw,
         busbw_gbs: algbw * factor,
         staging: None,
@@ -405,17 +538,15 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         samples.push(t.elapsed().as_secs_f64() / (2 * batch) as f64);
     }
     checked(buf, rbuf, size as u64 + 1)?;
-    Ok(
-        (g.rank() == 0)
-            .then(|| record(g, "pingpong", DType::U8, size, iters, median(samples), 1.0)),
-    )
+    let timed = samples.len() * batch;
+    Ok((g.rank() == 0).then(|| timed_record(g, "pingpong", (size, timed), samples)))
 }
 
 fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<Option<Record>> {
     if g.rank() > 1 {
         return Ok(None);
     }
-    let iters = ((256usize << 20) / (size.max(1) * window)).clamp(3, 200);
+    let iters = ((256usize << 20) / (size.max(1) * window)).clamp(5, 200);
     let mut bufs: Vec<Vec<u8>> = (0..window).map(|_| vec![0u8; size]).collect();
     let mut samples = Vec::with_capacity(iters);
     for it in 0..iters + 1 {
@@ -456,15 +587,18 @@ fn stream(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<O
             samples.push(t.elapsed().as_secs_f64() / window as f64);
         }
     }
-    Ok((g.rank() == 0).then(|| {
-        record(
-            g,
-            "stream",
-            DType::U8,
-            size,
-            iters * window,
-            median(samples),
-            1.0,
-        )
-    }))
+    Ok((g.rank() == 0).then(|| timed_record(g, "stream", (size, iters * window), samples)))
+}
+
+/// A point-to-point record of `samples` (seconds per message) over `iters` messages.
+fn timed_record(
+    g: &ProcessGroup,
+    op: &'static str,
+    (size, iters): (usize, usize),
+    samples: Vec<f64>,
+) -> Record {
+    let (secs, spread) = median_spread(samples);
+    let mut rec = record(g, op, DType::U8, size, iters, secs, 1.0);
+    rec.spread_pct = spread;
+    rec
 }

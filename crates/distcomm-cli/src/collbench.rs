@@ -5,7 +5,7 @@ use std::time::Instant;
 use distcomm::commslog::bus_factor;
 use distcomm::{padded_len, Error, OneBitState, ProcessGroup, ReduceOp, Reducible, Result};
 
-use crate::bench::{record, Record};
+use crate::bench::{median_spread, record, Record, REPS};
 
 /// The element types `--dtype` accepts.
 pub const DTYPES: &[&str] = &["f32", "f64", "f16", "bf16", "i32", "i64", "i8", "u8"];
@@ -194,31 +194,40 @@ fn run_typed<T: Val>(
         verify(g, op, &mut x)?;
     }
     // Enough iterations that a small op's loop lasts milliseconds: one scheduler hiccup in a
-    // sub-millisecond loop moves a mean of half a microsecond by several.
-    let iters = ((256usize << 20) / size.max(1)).clamp(5, 20_000);
+    // sub-millisecond loop moves a mean of half a microsecond by several. Large ops get 20
+    // calls at least, in REPS loops whose median is the figure: 64 MiB all_reduce (world 2)
+    // took 5 calls before, and three runs gave 5.9, 6.6 and 7.5 GB/s busbw.
+    let per_loop = (((256usize << 20) / size.max(1)).clamp(20, 20_000)).div_ceil(REPS);
     for _ in 0..2 {
         once(g, op, &mut x)?;
     }
-    g.barrier()?;
-    let t = Instant::now();
-    for _ in 0..iters {
-        once(g, op, &mut x)?;
+    let mut loops = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        g.barrier()?;
+        let t = Instant::now();
+        for _ in 0..per_loop {
+            once(g, op, &mut x)?;
+        }
+        // The slowest rank's time is the op's time.
+        let mut secs = [t.elapsed().as_secs_f64() / per_loop as f64];
+        g.all_reduce(&mut secs, ReduceOp::Max)?;
+        loops.push(secs[0]);
     }
-    // The slowest rank's time is the op's time.
-    let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
-    g.all_reduce(&mut secs, ReduceOp::Max)?;
+    let (secs, spread) = median_spread(loops);
+    let iters = per_loop * REPS;
     let bytes = match op {
         "barrier" => 0,
         _ => size_of_val(x.a.as_slice()),
     };
-    let rec = record(
+    let mut rec = record(
         g,
         op,
         T::DTYPE,
         bytes,
         iters,
-        secs[0],
+        secs,
         bus_factor(op, g.size()),
     );
+    rec.spread_pct = spread;
     Ok((g.rank() == 0).then_some(rec))
 }

@@ -82,6 +82,42 @@ fn bare_bench_starts_its_own_ranks() {
 }
 
 #[test]
+fn bench_explains_its_columns_and_says_where_the_plot_went() {
+    let dir = std::env::temp_dir().join(format!("distcomm-cli-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("all.svg");
+    let svg_arg = svg.to_string_lossy();
+    let stdout = run_ok(&["bench", "all", "--sizes", "8,4K", "--plot", &svg_arg]);
+    for said in [
+        "world 2, transport",
+        "time = half a round trip",
+        "busbw = algbw x 1 (all_reduce)",
+        "slowest rank",
+        "iters",
+        "spread",
+        "# wrote a plot (point-to-point: ranks 0 and 1: 2 ops; collectives: 9 ops) to ",
+    ] {
+        assert!(stdout.contains(said), "no {said:?} in {stdout}");
+    }
+    // p2p rows have one bandwidth and no element count.
+    let row = stdout
+        .lines()
+        .find(|l| l.contains(" pingpong "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert_eq!(row.split_whitespace().count(), 7, "{row}");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for part in [
+        "<svg",
+        "distcomm bench all: world 2",
+        "point-to-point",
+        "collectives",
+    ] {
+        assert!(text.contains(part), "no {part:?} in the plot");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bench_collectives_on_every_element_type() {
     // Each run verifies every collective against its reference before timing it.
     for dtype in ["bf16", "f16", "i8", "u8", "i64", "f64"] {

@@ -5,7 +5,7 @@
 //!   at `INFO`, each rank says at init who it is (rank, world, host, pid), which backend and
 //!   transport it runs, what each link chose and why, whether the shared-memory arena is on, and
 //!   how connections are authenticated; at `DEBUG`, which algorithm every collective takes; at
-//!   `TRACE`, every message posted.
+//!   `TRACE`, every message posted (in builds with the `trace-messages` feature).
 //! * `DISTCOMM_DEBUG_SUBSYS=init,coll,...` keeps only those subsystems (`^net,msg` keeps all
 //!   but those), like `NCCL_DEBUG_SUBSYS`. The subsystems are the event targets
 //!   `distcomm::<name>`: see [`SUBSYSTEMS`].
@@ -16,7 +16,9 @@
 //! above). The `distcomm` command always installs one, showing warnings by default.
 //!
 //! Off costs nothing measurable: without a subscriber (or at a level it does not want) an event
-//! is one relaxed atomic load and a branch, and no event sits inside a wait loop.
+//! is one relaxed atomic load and a branch, no event sits inside a wait loop, and the
+//! per-message events are compiled in only with the `trace-messages` feature, so the 8 B path
+//! has no check at all by default.
 
 use std::sync::Once;
 

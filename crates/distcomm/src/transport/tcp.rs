@@ -621,8 +621,9 @@ fn control(kind: Kind, msg_id: u64, aux: u32, len: u64, dtype: DType, fp: Finger
     }
 }
 
-/// The TRACE event of a posted message (`DISTCOMM_DEBUG=TRACE`, subsystem `msg`). Disabled, it
-/// is one relaxed load of tracing's global level and a branch.
+/// The TRACE event of a posted message (`DISTCOMM_DEBUG=TRACE`, subsystem `msg`). Compiled
+/// in only with the `trace-messages` feature: the 8 B path carries no check at all by default.
+#[cfg(feature = "trace-messages")]
 #[inline(always)]
 fn trace_post(what: &str, rank: usize, peer: Option<usize>, env: &Envelope, bytes: usize) {
     tracing::trace!(
@@ -2288,6 +2289,7 @@ impl Engine {
 
     /// Posts a send. The buffer is owned by the engine until the returned cell completes.
     pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
+        #[cfg(feature = "trace-messages")]
         trace_post("isend", self.sh.rank, Some(dst), &env, buf.bytes().len());
         let op = env.op;
         let cell = Arc::new(OpCell::default());
@@ -2406,6 +2408,7 @@ impl Engine {
         buf: BoxBuf,
         src: Option<usize>,
     ) -> (u64, Arc<OpCell>) {
+        #[cfg(feature = "trace-messages")]
         trace_post("irecv", self.sh.rank, src, &env, buf.bytes().len());
         let Envelope {
             op,
@@ -2544,6 +2547,7 @@ impl Engine {
     /// no handle, no allocation, no acknowledgement frame. Declined (nothing sent) when the
     /// lane cannot take it now; handed to the engine when the answer is slow to come.
     pub(crate) fn send_small(&self, env: Envelope, data: &[u8], dst: usize) -> Fast {
+        #[cfg(feature = "trace-messages")]
         trace_post("send (lane)", self.sh.rank, Some(dst), &env, data.len());
         let Some(Some(watch)) = self.sh.watch.get(dst) else {
             return Fast::Declined;
@@ -2584,6 +2588,7 @@ impl Engine {
         out: &mut [u8],
         src: usize,
     ) -> Option<Result<Status>> {
+        #[cfg(feature = "trace-messages")]
         trace_post("recv (lane)", self.sh.rank, Some(src), &env, out.len());
         let Some(Some(watch)) = self.sh.watch.get(src) else {
             return None;

@@ -25,6 +25,7 @@ pub fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         | Error::TagOutOfRange { .. }
         | Error::InvalidArgument { .. }
         | Error::Config(_)
+        | Error::ConfigVar { .. }
         | Error::MissingEnv { .. } => PyValueError::new_err(msg),
         Error::DTypeMismatch { .. } => PyTypeError::new_err(msg),
         _ => match BACKEND_ERROR.get(py) {

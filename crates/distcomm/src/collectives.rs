@@ -21,52 +21,23 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use crate::algorithms::{self as alg, Schedule, Space, Step};
+use crate::call::Fingerprint;
+use crate::completion::{block, Deadline, Driver, OpCell, RawView};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::group::{Inner, Job, ProcessGroup, CTX_COLL};
 use crate::intranode::{Arena, Ticket};
 use crate::mpi::{Coll, Comm as MpiComm};
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::frame::{Fingerprint, KIND_NAMES};
 use crate::transport::tcp::Envelope;
-use crate::work::{block, Deadline, Driver, OpCell, RawView, Work};
+use crate::work::Work;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    AllReduce = 1,
-    Broadcast = 2,
-    Reduce = 3,
-    AllGather = 4,
-    Gather = 5,
-    Scatter = 6,
-    ReduceScatter = 7,
-    AllToAll = 8,
-}
-
-impl Kind {
-    /// The API's name, as the wire's fingerprint vocabulary spells it.
-    fn name(self) -> &'static str {
-        KIND_NAMES[self as usize]
-    }
-}
-
-fn op_code(op: ReduceOp) -> u8 {
-    match op {
-        ReduceOp::Sum => 1,
-        ReduceOp::Product => 2,
-        ReduceOp::Min => 3,
-        ReduceOp::Max => 4,
-        ReduceOp::Avg => 5,
-        ReduceOp::BAnd => 6,
-        ReduceOp::BOr => 7,
-        ReduceOp::BXor => 8,
-    }
-}
+use crate::call::CallKind;
 
 /// One collective call as every rank must see it.
 #[derive(Debug, Clone, Copy)]
 struct Call {
-    kind: Kind,
+    kind: CallKind,
     op: Option<ReduceOp>,
     root: usize,
     count: usize,
@@ -79,7 +50,7 @@ struct Call {
 }
 
 impl Call {
-    fn new(kind: Kind, count: usize) -> Call {
+    fn new(kind: CallKind, count: usize) -> Call {
         Call {
             kind,
             op: None,
@@ -88,10 +59,12 @@ impl Call {
             bytes: 0,
             quiet: false,
             algo: match kind {
-                Kind::AllReduce => "recursive doubling",
-                Kind::Broadcast | Kind::Reduce => "binomial tree",
-                Kind::AllGather | Kind::ReduceScatter => "ring",
-                Kind::Gather | Kind::Scatter | Kind::AllToAll => "direct",
+                CallKind::AllReduce => "recursive doubling",
+                CallKind::Broadcast | CallKind::Reduce => "binomial tree",
+                CallKind::AllGather | CallKind::ReduceScatter => "ring",
+                CallKind::Gather | CallKind::Scatter | CallKind::AllToAll => "direct",
+                CallKind::Barrier => "dissemination",
+                CallKind::PointToPoint => "direct",
             },
         }
     }
@@ -116,34 +89,12 @@ impl Call {
         self
     }
     fn fingerprint(&self) -> Fingerprint {
-        Fingerprint {
-            kind: self.kind as u8,
-            op: self.op.map_or(0, op_code),
-            root: self.root as u32,
-            count: self.count as u64,
-        }
+        Fingerprint::of(self.kind, self.op, self.root, self.count)
     }
 }
 
-/// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
-/// how they were measured. Overridable by environment variables.
-/// Environment overrides, read once per variable.
-type EnvCache = std::sync::Mutex<Vec<(&'static str, Option<usize>)>>;
-
-fn threshold(var: &'static str, default: usize) -> usize {
-    static CACHE: std::sync::OnceLock<EnvCache> = std::sync::OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
-    let v = match c.iter().find(|(k, _)| *k == var) {
-        Some((_, v)) => *v,
-        None => {
-            let v = std::env::var(var).ok().and_then(|v| v.trim().parse().ok());
-            c.push((var, v));
-            v
-        }
-    };
-    v.unwrap_or(default)
-}
+// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
+// how they were measured. Overridable by environment variables (`crate::config`).
 
 /// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on
 /// two ranks, where the ring's extra round costs more than its halved messages save). Measured
@@ -479,7 +430,7 @@ impl Inner {
             let detail = format!("output holds {} bytes, needs {n} x {per}", output.len());
             return Err(self.invalid("all_to_all", detail));
         }
-        let call = Call::new(Kind::AllToAll, n * per)
+        let call = Call::new(CallKind::AllToAll, n * per)
             .bytes(n * per)
             .quiet(true);
         let blocks = self.exchange(&call, tag, per, produce, &mut || {})?;
@@ -500,7 +451,9 @@ impl Inner {
         consume: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
         let (n, me, per) = (self.size(), self.rank, block.len());
-        let call = Call::new(Kind::AllGather, per).bytes(n * per).quiet(true);
+        let call = Call::new(CallKind::AllGather, per)
+            .bytes(n * per)
+            .quiet(true);
         let mut fill = |_: usize, out: &mut [u8]| out.copy_from_slice(block);
         let blocks = self.exchange(&call, tag, per, &mut fill, &mut || consume(me, block))?;
         for (q, b) in blocks.into_iter().enumerate() {
@@ -664,7 +617,7 @@ impl Inner {
         ticket: Option<Ticket>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::AllReduce, buf.len())
+        let call = Call::new(CallKind::AllReduce, buf.len())
             .op(op)
             .bytes(size_of_val(buf));
         if let Some(m) = &self.mpi {
@@ -683,8 +636,8 @@ impl Inner {
             ALL_REDUCE_RING_MIN
         };
         let (call, sched) =
-            if bytes >= threshold("DISTCOMM_ALL_REDUCE_RING_MIN", ring_min) && buf.len() >= n {
-                let chunk = threshold("DISTCOMM_RING_CHUNK_MAX", RING_CHUNK_MAX) / size_of::<T>();
+            if bytes >= self.config.all_reduce_ring_min.unwrap_or(ring_min) && buf.len() >= n {
+                let chunk = self.config.ring_chunk_max.unwrap_or(RING_CHUNK_MAX) / size_of::<T>();
                 let seg = chunk.max(1).saturating_mul(n);
                 let sched = alg::segmented(buf.len(), seg, |len| alg::ring_all_reduce(n, r, len));
                 (call.algo("ring"), sched)
@@ -706,7 +659,7 @@ impl Inner {
 
     fn broadcast_on<T: Reducible>(&self, tag: u32, buf: &mut [T], root: usize) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::Broadcast, buf.len())
+        let call = Call::new(CallKind::Broadcast, buf.len())
             .root(root)
             .bytes(size_of_val(buf));
         if let Some(m) = &self.mpi {
@@ -718,7 +671,7 @@ impl Inner {
         } else {
             usize::MAX
         };
-        let (call, sched) = if bytes >= threshold("DISTCOMM_BROADCAST_SCATTER_MIN", scatter_min)
+        let (call, sched) = if bytes >= self.config.broadcast_scatter_min.unwrap_or(scatter_min)
             && buf.len() >= n
         {
             let sched = alg::scatter_all_gather_broadcast(n, r, root, buf.len());
@@ -737,7 +690,7 @@ impl Inner {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = Call::new(Kind::Reduce, buf.len())
+        let call = Call::new(CallKind::Reduce, buf.len())
             .op(op)
             .root(root)
             .bytes(size_of_val(buf));
@@ -772,7 +725,7 @@ impl Inner {
             ));
         }
         output[r * k..(r + 1) * k].copy_from_slice(input);
-        let call = Call::new(Kind::AllGather, k)
+        let call = Call::new(CallKind::AllGather, k)
             .bytes(size_of_val(output))
             .quiet(quiet);
         if let Some(m) = &self.mpi {
@@ -789,7 +742,7 @@ impl Inner {
         root: usize,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, input.len());
-        let call = Call::new(Kind::Gather, k)
+        let call = Call::new(CallKind::Gather, k)
             .root(root)
             .bytes(n * size_of_val(input));
         let sched = alg::direct_gather(n, r, root, k);
@@ -823,7 +776,7 @@ impl Inner {
         root: usize,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, output.len());
-        let call = Call::new(Kind::Scatter, k)
+        let call = Call::new(CallKind::Scatter, k)
             .root(root)
             .bytes(n * size_of_val(output));
         let sched = alg::direct_scatter(n, r, root, k);
@@ -862,7 +815,7 @@ impl Inner {
                 format!("input holds {} elements, needs {n} x {k}", input.len()),
             ));
         }
-        let call = Call::new(Kind::ReduceScatter, k)
+        let call = Call::new(CallKind::ReduceScatter, k)
             .op(op)
             .bytes(size_of_val(input));
         if let Some(m) = &self.mpi {
@@ -939,7 +892,7 @@ impl Inner {
         }
         output[rr[r].clone()].copy_from_slice(&input[sr[r].clone()]);
         // Uneven splits differ per rank, so only the equal form fingerprints its count.
-        let call = Call::new(Kind::AllToAll, if uneven { 0 } else { input.len() })
+        let call = Call::new(CallKind::AllToAll, if uneven { 0 } else { input.len() })
             .bytes(size_of_val(input))
             .quiet(quiet);
         if let Some(m) = &self.mpi {

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::call::CallKind;
 use crate::ProcessGroup;
 
 /// Statistics of one (op, size).
@@ -48,14 +49,11 @@ pub(crate) struct CommsLog {
 }
 
 /// The nccl-tests bus-bandwidth factor of collective `op` on `n` ranks: busbw = algbw × factor.
+/// Ops that are no [`CallKind`] (the 1-bit all_reduce) count like all-gathers.
 pub fn bus_factor(op: &str, n: usize) -> f64 {
-    let n = n as f64;
-    match op {
-        "all_reduce" => 2.0 * (n - 1.0) / n,
-        "broadcast" | "reduce" => 1.0,
-        "barrier" => 0.0,
-        _ => (n - 1.0) / n,
-    }
+    CallKind::from_name(op)
+        .unwrap_or(CallKind::AllGather)
+        .bus_factor(n)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -67,9 +65,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 impl CommsLog {
-    pub(crate) fn from_env() -> CommsLog {
+    /// A log, recording from the start when `on` (`DISTCOMM_COMMS_LOG`).
+    pub(crate) fn new(on: bool) -> CommsLog {
         let log = CommsLog::default();
-        let on = std::env::var("DISTCOMM_COMMS_LOG").is_ok_and(|v| !v.is_empty() && v != "0");
         log.on.store(on, Ordering::Relaxed);
         log
     }

@@ -53,9 +53,11 @@ pub fn directives(level: Option<&str>, subsys: Option<&str>) -> Result<Option<St
         // NCCL's name for "print the version": the init summary has it.
         "version" => "info".into(),
         _ => {
-            return Err(Error::Config(format!(
-                "DISTCOMM_DEBUG={level:?}: expected WARN, INFO, DEBUG or TRACE (or ERROR, OFF)"
-            )))
+            return Err(Error::ConfigVar {
+                var: crate::config::DEBUG,
+                value: level.to_string(),
+                expected: "WARN, INFO, DEBUG or TRACE (or ERROR, OFF)",
+            })
         }
     };
     let subsys = subsys
@@ -90,8 +92,9 @@ pub fn directives(level: Option<&str>, subsys: Option<&str>) -> Result<Option<St
 
 /// [`directives`] from the environment.
 fn directives_from_env() -> Result<Option<String>> {
-    let level = std::env::var("DISTCOMM_DEBUG").ok();
-    let subsys = std::env::var("DISTCOMM_DEBUG_SUBSYS").ok();
+    let env = crate::config::Reader::env();
+    let level = env.raw(crate::config::DEBUG);
+    let subsys = env.raw(crate::config::DEBUG_SUBSYS);
     directives(level.as_deref(), subsys.as_deref())
 }
 
@@ -121,7 +124,7 @@ pub fn install_stderr(fallback: Option<&str>) -> Result<()> {
 /// (once per process; a bad value is an error every time).
 pub(crate) fn install_default() -> Result<()> {
     static ONCE: Once = Once::new();
-    if std::env::var_os("DISTCOMM_DEBUG").is_none() {
+    if std::env::var_os(crate::config::DEBUG).is_none() {
         return Ok(());
     }
     directives_from_env()?;

@@ -135,9 +135,18 @@ pub enum Error {
     /// The environment does not describe a complete job.
     #[error("incomplete environment: missing {}{}", missing.join(", "), hint_suffix(self))]
     MissingEnv { missing: Vec<String> },
-    /// An environment variable or option has a value we cannot use.
+    /// A setting that cannot work (an option, or a combination of settings); a malformed
+    /// environment variable is [`Error::ConfigVar`] ([`Error::is_config`] is true for both).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A `DISTCOMM_*` environment variable whose value is malformed: the variable, its value
+    /// and what it accepts (see [`crate::config`]).
+    #[error("invalid configuration: {var}={value:?}: expected {expected}")]
+    ConfigVar {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     /// A launched rank failed (launcher and test harness).
     #[error("rank {rank} {how}")]
     RankFailed { rank: usize, how: String },
@@ -237,11 +246,18 @@ impl Error {
             Error::Desync { .. } => "Desync",
             Error::MissingEnv { .. } => "MissingEnv",
             Error::Config(_) => "Config",
+            Error::ConfigVar { .. } => "ConfigVar",
             Error::RankFailed { .. } => "RankFailed",
             Error::DeviceUnavailable { .. } => "DeviceUnavailable",
             Error::Device { .. } => "Device",
             Error::Io { .. } => "Io",
         }
+    }
+
+    /// True for [`Error::Config`] and [`Error::ConfigVar`]: the job's settings, not a peer or
+    /// the network, are wrong.
+    pub fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_) | Error::ConfigVar { .. })
     }
 
     /// True for [`Error::Timeout`] and [`Error::StoreTimeout`].

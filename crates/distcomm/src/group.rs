@@ -5,15 +5,16 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
+use crate::call::Fingerprint;
+use crate::config::Config;
 use crate::dtype::{DType, Element};
 use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::intranode::{self, Arena, ArenaConfig};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::{Engine, EngineConfig, Envelope, Fast};
 use crate::transport::{
-    advertise_ip, connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING,
+    advertise_ip_or, connect_mesh, setup_shm, LinkKind, ShmConfig, TransportKind, DEFAULT_RING,
 };
 use crate::work::{BoxBuf, Driver, Status, Work};
 
@@ -65,27 +66,7 @@ impl std::fmt::Debug for GivenStore {
     }
 }
 
-/// Which engine carries a group's traffic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// distcomm's own transports (TCP, shared memory) and collective schedules.
-    Native,
-    /// The system MPI (feature `mpi`): for jobs started by `mpirun` or `srun`.
-    Mpi,
-}
-
-impl Backend {
-    /// `DISTCOMM_BACKEND`: `native` (default, also when unset or empty) or `mpi`.
-    pub fn from_env() -> Result<Backend> {
-        match std::env::var("DISTCOMM_BACKEND").unwrap_or_default().trim() {
-            "" | "native" => Ok(Backend::Native),
-            "mpi" => Ok(Backend::Mpi),
-            other => Err(Error::Config(format!(
-                "DISTCOMM_BACKEND={other:?}: expected native or mpi"
-            ))),
-        }
-    }
-}
+pub use crate::config::Backend;
 
 impl GroupBuilder {
     /// A group where this process is `rank` of `world`. The store defaults to
@@ -198,6 +179,11 @@ impl GroupBuilder {
 
     pub fn build(self) -> Result<ProcessGroup> {
         crate::diag::install_default()?;
+        self.build_with(Config::from_env()?)
+    }
+
+    /// [`build`](Self::build) with the environment's settings already read.
+    fn build_with(self, env: Config) -> Result<ProcessGroup> {
         if self.world == 0 || self.rank >= self.world {
             return Err(Error::Config(format!(
                 "rank {} is not inside a world of {}",
@@ -206,14 +192,11 @@ impl GroupBuilder {
         }
         let timeout = match self.timeout {
             Some(t) => t,
-            None => env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+            None => env.timeout.unwrap_or(DEFAULT_TIMEOUT),
         };
-        let backend = match self.backend {
-            Some(b) => b,
-            None => Backend::from_env()?,
-        };
+        let backend = self.backend.or(env.backend).unwrap_or(Backend::Native);
         if backend == Backend::Mpi {
-            return mpi_world(self.rank, self.world, timeout);
+            return mpi_world(self.rank, self.world, timeout, env);
         }
         let host = match &self.store {
             None => split_host_port(&self.store_addr)?.0,
@@ -224,15 +207,9 @@ impl GroupBuilder {
         };
         let secret = match &self.secret {
             Some(s) => Some(s.clone()),
-            None => std::env::var("DISTCOMM_SECRET")
-                .ok()
-                .filter(|s| !s.is_empty())
-                .map(String::into_bytes),
+            None => env.secret.clone(),
         };
-        let store_auth = match self.store_auth {
-            Some(on) => on,
-            None => env_flag("DISTCOMM_STORE_AUTH")?,
-        };
+        let store_auth = self.store_auth.unwrap_or(env.store_auth);
         let store_secret = match (store_auth, &secret) {
             (false, _) => None,
             (true, Some(s)) => Some(s.as_slice()),
@@ -245,7 +222,7 @@ impl GroupBuilder {
         let server = if self.store.is_some() {
             None
         } else if self.host_store.unwrap_or(self.rank == 0) {
-            let ip = advertise_ip(&host)?;
+            let ip = advertise_ip_or(&host, env.host)?;
             let bind_host = if ip.is_loopback() {
                 "127.0.0.1"
             } else {
@@ -273,7 +250,7 @@ impl GroupBuilder {
             }
         };
         let store = PrefixStore::new("distcomm", client);
-        let ip: IpAddr = advertise_ip(&host)?;
+        let ip: IpAddr = advertise_ip_or(&host, env.host)?;
         let streams = connect_mesh(
             &store,
             self.rank,
@@ -282,34 +259,28 @@ impl GroupBuilder {
             timeout,
             secret.as_deref(),
         )?;
-        let kind = match self.transport {
-            Some(k) => k,
-            None => TransportKind::parse(&std::env::var("DISTCOMM_TRANSPORT").unwrap_or_default())?,
-        };
         let shm = ShmConfig {
-            kind,
-            ring: env_u64("DISTCOMM_SHM_RING")?.map_or(DEFAULT_RING, |b| b as usize),
-            cma: env_u64("DISTCOMM_SHM_CMA")? != Some(0),
+            kind: self.transport.unwrap_or(env.transport),
+            ring: env.shm_ring.unwrap_or(DEFAULT_RING),
+            cma: env.shm_cma,
         };
         let deadline = std::time::Instant::now() + timeout;
         let links = setup_shm(&streams, self.rank, &shm, deadline)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let local = self.local_world.unwrap_or(self.world);
         let oversubscribed = local > cores;
-        let spin = match env_u64("DISTCOMM_SPIN_US")? {
-            Some(us) => Duration::from_micros(us),
+        let spin = match env.spin {
+            Some(spin) => spin,
             None if !oversubscribed => Duration::from_millis(2),
             None => OVERSUBSCRIBED_SPIN,
         };
-        let eager_max = env_u64("DISTCOMM_EAGER_MAX")?.unwrap_or(64 * 1024) as usize;
-        let sockbuf = env_u64("DISTCOMM_SOCKBUF")?.map(|b| b as usize);
         let cfg = EngineConfig {
-            eager_max,
-            shm_eager_max: env_u64("DISTCOMM_SHM_EAGER_MAX")?.unwrap_or(16 * 1024) as usize,
+            eager_max: env.eager_max.unwrap_or(64 * 1024),
+            shm_eager_max: env.shm_eager_max.unwrap_or(16 * 1024),
             spin,
             yield_spin: oversubscribed,
-            sockbuf,
-            data_chunk: env_u64("DISTCOMM_DATA_CHUNK")?.map(|b| (b as usize).max(1)),
+            sockbuf: env.sockbuf,
+            data_chunk: env.data_chunk.map(|b| b.max(1)),
         };
         let all_shm = links
             .iter()
@@ -318,16 +289,15 @@ impl GroupBuilder {
         let engine = Engine::start(self.rank, streams, links, cfg)?;
         let members: Arc<Vec<usize>> = Arc::new((0..self.world).collect());
         let arena_cfg = ArenaConfig {
-            enabled: env_u64("DISTCOMM_SHM_ALLREDUCE")? != Some(0),
-            chunk: env_u64("DISTCOMM_SHM_ARENA_CHUNK")?
-                .map_or(intranode::DEFAULT_CHUNK, |b| {
-                    (b as usize).clamp(4096, 1 << 30)
-                })
+            enabled: env.shm_allreduce,
+            chunk: env
+                .shm_arena_chunk
+                .map_or(intranode::DEFAULT_CHUNK, |b| b.clamp(4096, 1 << 30))
                 .next_multiple_of(64),
             oversubscribed,
             // Measured faster than the network algorithms at every size up to 64 MiB here
             // (see the README); `DISTCOMM_SHM_ALLREDUCE_MAX` caps it.
-            max_bytes: env_u64("DISTCOMM_SHM_ALLREDUCE_MAX")?.map_or(usize::MAX, |b| b as usize),
+            max_bytes: env.shm_allreduce_max.unwrap_or(usize::MAX),
         };
         let arena = intranode::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
         let ready = crate::diag::Ready {
@@ -351,51 +321,13 @@ impl GroupBuilder {
         };
         let group = ProcessGroup {
             inner: Arc::new(Inner::world(
-                engine, members, self.rank, timeout, keep, arena, None,
+                engine, members, self.rank, timeout, keep, arena, None, env,
             )),
         };
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
         ready.log(&group);
         Ok(group)
-    }
-}
-
-fn env_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::Config(format!("{name}={v:?} is not a whole number"))),
-        _ => Ok(None),
-    }
-}
-
-/// A yes/no setting: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (unset: no).
-pub(crate) fn env_flag(name: &str) -> Result<bool> {
-    match std::env::var(name) {
-        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-            "" | "0" | "false" | "no" | "off" => Ok(false),
-            "1" | "true" | "yes" | "on" => Ok(true),
-            _ => Err(Error::Config(format!("{name}={v:?}: expected 1 or 0"))),
-        },
-        Err(_) => Ok(false),
-    }
-}
-
-fn env_duration_secs(name: &str) -> Result<Option<Duration>> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(|s| Some(Duration::from_secs_f64(s)))
-            .ok_or_else(|| {
-                Error::Config(format!("{name}={v:?} is not a positive number of seconds"))
-            }),
-        _ => Ok(None),
     }
 }
 
@@ -431,21 +363,22 @@ fn split_host_port(addr: &str) -> Result<(String, u16)> {
 /// ```
 pub fn init() -> Result<ProcessGroup> {
     crate::diag::install_default()?;
-    if Backend::from_env()? == Backend::Mpi {
+    let env = Config::from_env()?;
+    if env.backend == Some(Backend::Mpi) {
         // MPI connects the ranks: no store address is needed, and the launcher's variables
         // only have to agree with MPI's view when they are there.
         let (rank, world) = match crate::env::JobEnv::from_env() {
             Ok(job) => (job.rank, job.world),
             Err(_) => crate::mpi::world_size()?,
         };
-        let timeout = env_duration_secs("DISTCOMM_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT);
-        return mpi_world(rank, world, timeout);
+        let timeout = env.timeout.unwrap_or(DEFAULT_TIMEOUT);
+        return mpi_world(rank, world, timeout, env);
     }
-    GroupBuilder::from_env()?.build()
+    GroupBuilder::from_env()?.build_with(env)
 }
 
 /// The world group on the MPI backend.
-fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGroup> {
+fn mpi_world(rank: usize, world: usize, timeout: Duration, env: Config) -> Result<ProcessGroup> {
     let comm = crate::mpi::world(rank, world)?;
     // An engine without peers: the MPI backend's handles have their own driver, but a group
     // always has an engine to abort and to ask about links.
@@ -471,7 +404,7 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration) -> Result<ProcessGrou
         pid = std::process::id(), backend = "mpi", "rank {rank} of {world} ready");
     Ok(ProcessGroup {
         inner: Arc::new(Inner::world(
-            engine, members, rank, timeout, keep, None, mpi,
+            engine, members, rank, timeout, keep, None, mpi, env,
         )),
     })
 }
@@ -528,6 +461,8 @@ pub(crate) struct Inner {
     pub(crate) pool: Arc<crate::collectives::Pool>,
     /// Opt-in per-op statistics.
     pub(crate) log: Arc<crate::commslog::CommsLog>,
+    /// The environment's settings, read when the world group was built (subgroups share them).
+    pub(crate) config: Arc<Config>,
     keep: Arc<Keep>,
     /// The group's MPI communicators when it runs on the MPI backend (then `engine` has no
     /// peers and carries nothing).
@@ -538,7 +473,9 @@ pub(crate) const CTX_USER: u32 = 0;
 pub(crate) const CTX_BARRIER: u32 = 1;
 pub(crate) const CTX_COLL: u32 = 2;
 pub(crate) const CTX_PIPE: u32 = 3;
-const CTX_PER_GROUP: u32 = 4;
+/// Contexts each group owns (user, barrier, collectives, pipeline): a group's contexts start at its
+/// number times this.
+pub(crate) const CTX_PER_GROUP: u32 = 4;
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -554,6 +491,9 @@ impl std::fmt::Debug for ProcessGroup {
 impl Inner {
     /// A world group's state: contexts from 0, and its own collective sequence, thread, pool,
     /// log and count of subgroups.
+    // One parameter per part of a world group (the backend step folds engine, arena and mpi
+    // into one).
+    #[allow(clippy::too_many_arguments)]
     fn world(
         engine: Arc<Engine>,
         members: Arc<Vec<usize>>,
@@ -562,6 +502,7 @@ impl Inner {
         keep: Keep,
         arena: Option<Arc<Arena>>,
         mpi: Option<Arc<crate::mpi::Comm>>,
+        config: Config,
     ) -> Inner {
         Inner {
             engine,
@@ -575,7 +516,8 @@ impl Inner {
             worker: Default::default(),
             queued: Default::default(),
             pool: Default::default(),
-            log: Arc::new(crate::commslog::CommsLog::from_env()),
+            log: Arc::new(crate::commslog::CommsLog::new(config.comms_log)),
+            config: Arc::new(config),
             keep: Arc::new(keep),
             mpi,
         }
@@ -769,8 +711,8 @@ impl ProcessGroup {
             .map(|&m| self.inner.engine.link_kind(m));
         let (mut shm, mut tcp) = (false, false);
         for k in kinds {
-            shm |= k == "shm";
-            tcp |= k == "tcp";
+            shm |= k == LinkKind::Shm;
+            tcp |= k == LinkKind::Tcp;
         }
         match (shm, tcp) {
             (true, true) => "shm+tcp",
@@ -799,8 +741,7 @@ impl ProcessGroup {
         let me = self.inner.rank;
         let engine = &self.inner.engine;
         let mut links = self.inner.members.iter().filter(|&&m| m != me);
-        crate::transport::link_addresses("self", mem)
-            && links.all(|&m| crate::transport::link_addresses(engine.link_kind(m), mem))
+        LinkKind::Loopback.addresses(mem) && links.all(|&m| engine.link_kind(m).addresses(mem))
     }
 
     /// Whether `all_reduce` on this group runs through the shared-memory arena (every rank of
@@ -817,7 +758,7 @@ impl ProcessGroup {
         if self.inner.mpi.is_some() {
             return Some("mpi");
         }
-        Some(self.inner.engine.link_kind(g))
+        Some(self.inner.engine.link_kind(g).name())
     }
 
     /// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
@@ -989,7 +930,8 @@ impl ProcessGroup {
                 worker: Default::default(),
                 queued: Default::default(),
                 pool: Default::default(),
-                log: Arc::new(crate::commslog::CommsLog::from_env()),
+                log: Arc::new(crate::commslog::CommsLog::new(self.inner.config.comms_log)),
+                config: self.inner.config.clone(),
                 keep: self.inner.keep.clone(),
                 mpi,
             }),

@@ -35,10 +35,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::call::Fingerprint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::frame::Fingerprint;
 use crate::transport::shm::Region;
 use crate::transport::tcp::Engine;
 

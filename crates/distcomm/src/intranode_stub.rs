@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::call::Fingerprint;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::Engine;
 
 pub(crate) const DEFAULT_CHUNK: usize = 2 << 20;

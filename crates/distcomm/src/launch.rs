@@ -158,10 +158,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
     let world = cfg.nproc * cfg.nnodes;
     // A job secret for the transport handshake: the caller's, or a fresh one on a single node
     // (several nodes must share one: set DISTCOMM_SECRET on every launcher).
-    let secret = match std::env::var("DISTCOMM_SECRET")
-        .ok()
-        .filter(|s| !s.is_empty())
-    {
+    let env = crate::config::Reader::env();
+    let secret = match env.raw(crate::config::SECRET) {
         Some(s) => Some(s),
         None if cfg.nnodes == 1 => {
             let mut raw = [0u8; 32];
@@ -179,7 +177,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<()> {
             None
         }
     };
-    let store_auth = crate::group::env_flag("DISTCOMM_STORE_AUTH")?
+    let store_auth = env.flag(crate::config::STORE_AUTH)?
         || cfg
             .env
             .iter()

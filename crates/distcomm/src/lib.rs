@@ -61,11 +61,18 @@
 //!   shared-memory links, the progress engine); [`mpi`]: the MPI backend;
 //! * [`rendezvous`]: the TCPStore-compatible store and prefix store;
 //! * [`env`](mod@env): discovery of rank, world and master from torchrun / mpirun / srun
-//!   variables; [`launch`]: starting local ranks (`distcomm launch` and the test harness).
+//!   variables; [`launch`]: starting local ranks (`distcomm launch` and the test harness);
+//! * leaves anyone may use: [`config`] (every `DISTCOMM_*` variable, read once and validated),
+//!   [`call`] (collective kinds and fingerprints, defined once), [`error`], [`dtype`],
+//!   [`reduce`], and the crate's HMAC helper.
 
 pub mod algorithms;
+pub mod call;
 mod collectives;
 pub mod commslog;
+mod completion;
+pub mod config;
+mod crypto;
 pub mod device;
 pub mod diag;
 pub mod dtype;

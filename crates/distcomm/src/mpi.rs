@@ -128,12 +128,13 @@ mod imp {
     use mpi::ffi;
 
     use super::Coll;
+    use crate::completion::{BoxBuf, Deadline, Driver, OpCell, Status};
     use crate::dtype::DType;
     use crate::error::{Error, Result};
-    use crate::group::{CTX_PIPE, CTX_USER};
+    use crate::group::{CTX_PER_GROUP, CTX_PIPE, CTX_USER};
     use crate::reduce::{ReduceOp, Reducible};
     use crate::transport::tcp::Envelope;
-    use crate::work::{BoxBuf, Deadline, Driver, OpCell, Status, Work};
+    use crate::work::Work;
 
     /// An MPI handle (communicator, request, message): an opaque pointer that MPI lets any
     /// thread use; distcomm only ever uses one under the process-wide lock ([`mpi_lock`]).
@@ -748,7 +749,7 @@ mod imp {
         }
 
         fn comm_for(&self, env: &Envelope) -> Handle<ffi::MPI_Comm> {
-            match env.ctx % 4 {
+            match env.ctx % CTX_PER_GROUP {
                 CTX_USER => self.user,
                 CTX_PIPE => self.pipe,
                 _ => self.coll,
@@ -858,7 +859,7 @@ mod imp {
             if let Some(w) = self.refused(&t, env.op, src, timeout) {
                 return Ok(w);
             }
-            let chan = self.id * 4 + u64::from(env.ctx % 4);
+            let chan = self.id * u64::from(CTX_PER_GROUP) + u64::from(env.ctx % CTX_PER_GROUP);
             // SAFETY: reading rsmpi's exported constant.
             let mpi_src = src.map_or(unsafe { ffi::RSMPI_ANY_SOURCE }, |s| s as c_int);
             // Posted directly only when no earlier receive on this channel and tag is still

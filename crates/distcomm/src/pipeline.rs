@@ -14,10 +14,10 @@
 
 use std::time::{Duration, Instant};
 
+use crate::call::Fingerprint;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::group::{ProcessGroup, CTX_PIPE, CTX_USER};
-use crate::transport::frame::Fingerprint;
 use crate::transport::tcp::Envelope;
 use crate::work::{Fitted, Status, Work};
 

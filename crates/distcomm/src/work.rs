@@ -11,59 +11,13 @@ use std::any::Any;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
+pub use crate::completion::Status;
+pub(crate) use crate::completion::{BoxBuf, Deadline, Driver, OpCell, WireBuf};
 use crate::error::{Error, Result};
-
-/// What a finished operation reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Status {
-    /// The peer rank: the source for a receive, the destination for a send.
-    pub peer: usize,
-    /// The tag the message carried.
-    pub tag: u32,
-    /// Bytes transferred.
-    pub bytes: usize,
-}
-
-/// A buffer the engine can move bytes in and out of while it owns it.
-pub(crate) trait WireBuf: Send + 'static {
-    fn bytes(&self) -> &[u8];
-    fn bytes_mut(&mut self) -> &mut [u8];
-    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
-    /// Whether this is a view of memory the engine does not own ([`RawView`]).
-    fn is_view(&self) -> bool {
-        false
-    }
-    /// Resizes a buffer sized by what arrives to exactly `len` bytes; false for fixed buffers
-    /// (and for lengths a sized buffer refuses), which then keep MPI's rules.
-    fn fit(&mut self, _len: usize) -> bool {
-        false
-    }
-    /// Whether [`fit`](WireBuf::fit) sizes this buffer by the message (so a receive into it
-    /// must learn the size before receiving). Asked by the MPI backend.
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    fn sized_by_message(&self) -> bool {
-        false
-    }
-}
-
-impl<T: crate::Element> WireBuf for Vec<T> {
-    fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(self.as_slice())
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(self.as_mut_slice())
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
-        self
-    }
-}
-
-pub(crate) type BoxBuf = Box<dyn WireBuf>;
 
 /// A receive buffer that takes the length of the message that matches it (a whole number of
 /// elements, at most `max_bytes`), so the receiver need not know the size in advance. It comes
@@ -94,75 +48,6 @@ impl<T: crate::Element> WireBuf for Fitted<T> {
         self.vec.clear();
         self.vec
             .resize(len / size, <T as bytemuck::Zeroable>::zeroed());
-        true
-    }
-}
-
-/// A window onto memory the engine does not own: a range of a collective's own buffers, used
-/// so that large collective transfers skip a copy into scratch memory.
-///
-/// Whoever creates one must keep the memory alive and untouched until the operation is
-/// terminal, or call `Engine::reclaim` on it, which swaps every remaining view for owned memory
-/// under the engine lock. The collective executor does exactly that with a drop guard around
-/// each round (see `collectives.rs`).
-pub(crate) struct RawView {
-    ptr: *mut u8,
-    len: usize,
-    writable: bool,
-}
-
-// SAFETY: a RawView is only dereferenced under the engine lock, by one thread at a time, and
-// its creator guarantees (see above) that the memory outlives every such access and that no
-// one else touches the range meanwhile; moving the pointer between threads is then sound.
-unsafe impl Send for RawView {}
-
-impl RawView {
-    /// A read-only view of `data` (for sends).
-    ///
-    /// # Safety
-    /// `data` must stay alive and unmodified until the operation using the view is terminal or
-    /// the view has been reclaimed.
-    pub(crate) unsafe fn of(data: &[u8]) -> RawView {
-        RawView {
-            ptr: data.as_ptr().cast_mut(),
-            len: data.len(),
-            writable: false,
-        }
-    }
-
-    /// A writable view of `data` (for receives).
-    ///
-    /// # Safety
-    /// `data` must stay alive and otherwise untouched until the operation using the view is
-    /// terminal or the view has been reclaimed.
-    pub(crate) unsafe fn of_mut(data: &mut [u8]) -> RawView {
-        RawView {
-            ptr: data.as_mut_ptr(),
-            len: data.len(),
-            writable: true,
-        }
-    }
-}
-
-impl WireBuf for RawView {
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: ptr/len came from a live slice whose owner keeps it alive and unaliased while
-        // the engine may use this view (see `RawView::of`).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        if !self.writable {
-            // The engine only writes into receive buffers; a send view never gets here.
-            debug_assert!(false, "write through a read-only view");
-            return &mut [];
-        }
-        // SAFETY: as in `bytes`, and the creator gave up all other access (`of_mut`).
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
-        Box::new(())
-    }
-    fn is_view(&self) -> bool {
         true
     }
 }
@@ -238,140 +123,6 @@ impl WireBuf for Lent {
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         self
     }
-}
-
-#[derive(Default)]
-struct Slot {
-    result: Option<Result<Status>>,
-    buf: Option<BoxBuf>,
-    waker: Option<Waker>,
-    /// Bumped by [`OpCell::kick`]: the operation moved, a sleeping waiter should resume spinning.
-    kicks: u64,
-    /// Threads blocked on `cv` (so completions only pay for a wake-up when someone sleeps).
-    sleepers: u32,
-}
-
-/// The completion cell shared by a handle and the engine.
-#[derive(Default)]
-pub(crate) struct OpCell {
-    done: AtomicBool,
-    /// Set by [`OpCell::kick`]: a transfer is under way with the peer engaged.
-    active: AtomicBool,
-    slot: Mutex<Slot>,
-    cv: Condvar,
-}
-
-impl OpCell {
-    fn lock(&self) -> MutexGuard<'_, Slot> {
-        // A poisoned slot only means another thread panicked while holding it; the data is a
-        // plain Option and stays consistent.
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Records the terminal outcome. The first call wins; later calls are ignored.
-    pub(crate) fn complete(&self, result: Result<Status>, buf: Option<BoxBuf>) {
-        let waker = {
-            let mut slot = self.lock();
-            if slot.result.is_some() {
-                return;
-            }
-            slot.result = Some(result);
-            slot.buf = buf;
-            self.done.store(true, Ordering::Release);
-            if slot.sleepers > 0 {
-                self.cv.notify_all();
-            }
-            slot.waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// Whether a transfer is under way (see [`OpCell::kick`]).
-    pub(crate) fn is_active(&self) -> bool {
-        self.active.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn is_done(&self) -> bool {
-        self.done.load(Ordering::Acquire)
-    }
-
-    fn result(&self) -> Option<Result<Status>> {
-        self.lock().result.clone()
-    }
-
-    /// Wakes a sleeping waiter without completing: the operation has started moving (for
-    /// example a large transfer was cleared to send), so spinning pays again.
-    pub(crate) fn kick(&self) {
-        self.active.store(true, Ordering::Release);
-        let mut slot = self.lock();
-        slot.kicks += 1;
-        if slot.sleepers > 0 {
-            self.cv.notify_all();
-        }
-    }
-
-    /// Blocks until done, kicked, or `deadline`. Returns whether the operation is done.
-    fn block_until(&self, deadline: Instant) -> bool {
-        let mut slot = self.lock();
-        let kicks = slot.kicks;
-        while slot.result.is_none() && slot.kicks == kicks {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            slot.sleepers += 1;
-            slot = match self.cv.wait_timeout(slot, deadline - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
-            slot.sleepers -= 1;
-        }
-        slot.result.is_some()
-    }
-}
-
-/// A deadline `timeout` from the first time anyone asks for it. A wait that ends before it
-/// looks at the clock never reads it: on a small message's path a clock read costs as much
-/// as the rest of the wait (measured: three of them were 0.07 µs of a 0.94 µs half round trip
-/// over shared memory).
-pub(crate) struct Deadline {
-    timeout: Duration,
-    at: Option<Instant>,
-}
-
-impl Deadline {
-    pub(crate) fn after(timeout: Duration) -> Self {
-        Deadline { timeout, at: None }
-    }
-
-    /// The deadline, fixing it at `now` + timeout if nobody asked before.
-    pub(crate) fn from(&mut self, now: Instant) -> Instant {
-        let timeout = self.timeout;
-        *self.at.get_or_insert_with(|| {
-            now.checked_add(timeout)
-                .unwrap_or_else(|| now + Duration::from_secs(86400 * 365))
-        })
-    }
-
-    /// The deadline, reading the clock if it is not fixed yet.
-    pub(crate) fn get(&mut self) -> Instant {
-        match self.at {
-            Some(at) => at,
-            None => self.from(Instant::now()),
-        }
-    }
-}
-
-/// What a handle needs from whoever drives progress.
-pub(crate) trait Driver: Send + Sync {
-    /// Waits until `cell` is done or `deadline` passes, driving progress meanwhile.
-    fn drive_until(&self, cell: &OpCell, deadline: &mut Deadline) -> bool;
-    /// Called when a pending handle is dropped: withdraw the operation if it has not started.
-    fn cancel(&self, op_id: u64);
-    /// Rank of this process, for error messages.
-    fn rank(&self) -> usize;
 }
 
 /// A handle to a nonblocking operation whose buffer is a `B` (for example `Vec<f32>`).
@@ -533,7 +284,7 @@ impl<B: 'static> Work<B> {
 
     /// The buffer of a finished, successful operation (once).
     pub(crate) fn take_buffer(&self) -> Result<B> {
-        let buf = self.cell.lock().buf.take();
+        let buf = self.cell.take_buf();
         let any = match buf {
             Some(b) => b.into_any(),
             None => {
@@ -567,13 +318,10 @@ impl<B: 'static> Future for Work<B> {
     type Output = Result<Status>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut slot = self.cell.lock();
-        if let Some(r) = slot.result.clone() {
-            drop(slot);
-            return Poll::Ready(self.translate(r));
+        match self.cell.poll_result(cx.waker()) {
+            Some(r) => Poll::Ready(self.translate(r)),
+            None => Poll::Pending,
         }
-        slot.waker = Some(cx.waker().clone());
-        Poll::Pending
     }
 }
 
@@ -585,8 +333,4 @@ impl<B> std::fmt::Debug for Work<B> {
             .field("completed", &self.cell.is_done())
             .finish()
     }
-}
-
-pub(crate) fn block(cell: &OpCell, deadline: Instant) -> bool {
-    cell.block_until(deadline)
 }

@@ -11,10 +11,7 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
-use crate::transport::handshake::{nonce, TOKEN_LEN};
+use crate::crypto::{self, nonce, TOKEN_LEN};
 
 /// First bytes of an authenticating client (never a TCPStore opcode: torch's first byte is
 /// its validation command, 0).
@@ -23,29 +20,15 @@ pub(crate) const AUTH_MAGIC: [u8; 4] = *b"DCSA";
 /// How long either side waits for the other's part of the exchange.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn tag(secret: &[u8], role: u8, client: &[u8], server: &[u8]) -> io::Result<[u8; TOKEN_LEN]> {
-    let mut m = Hmac::<Sha256>::new_from_slice(secret)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "unusable secret"))?;
-    m.update(b"distcomm-store-auth-v1");
-    m.update(&[role]);
-    m.update(client);
-    m.update(server);
-    let mut out = [0u8; TOKEN_LEN];
-    out.copy_from_slice(&m.finalize().into_bytes());
-    Ok(out)
+/// Domain separation of the store's MACs from the transport handshake's.
+const LABEL: &[u8] = b"distcomm-store-auth-v1";
+
+fn tag(secret: &[u8], role: u8, client: &[u8], server: &[u8]) -> [u8; TOKEN_LEN] {
+    crypto::mac(secret, &[LABEL, &[role], client, server])
 }
 
 fn check(secret: &[u8], role: u8, client: &[u8], server: &[u8], got: &[u8]) -> bool {
-    match Hmac::<Sha256>::new_from_slice(secret) {
-        Ok(mut m) => {
-            m.update(b"distcomm-store-auth-v1");
-            m.update(&[role]);
-            m.update(client);
-            m.update(server);
-            m.verify_slice(got).is_ok()
-        }
-        Err(_) => false,
-    }
+    crypto::verify(secret, &[LABEL, &[role], client, server], got)
 }
 
 fn refused(why: &str) -> io::Error {
@@ -69,7 +52,7 @@ pub(crate) fn client(stream: &TcpStream, secret: &[u8]) -> io::Result<()> {
     if !check(secret, b'S', &cn, sn, proof) {
         return Err(refused("the store does not know the job secret"));
     }
-    (&*stream).write_all(&tag(secret, b'C', &cn, sn)?)?;
+    (&*stream).write_all(&tag(secret, b'C', &cn, sn))?;
     // The server closes the connection if it refuses ours; the caller's first request finds out.
     stream.set_read_timeout(None)
 }
@@ -89,7 +72,7 @@ pub(crate) fn server(stream: &TcpStream, secret: &[u8]) -> io::Result<()> {
     let cn = &cn[..];
     let sn = nonce().map_err(no_nonce)?;
     let mut reply = sn.to_vec();
-    reply.extend_from_slice(&tag(secret, b'S', cn, &sn)?);
+    reply.extend_from_slice(&tag(secret, b'S', cn, &sn));
     (&*stream).write_all(&reply)?;
     let mut proof = [0u8; TOKEN_LEN];
     (&*stream).read_exact(&mut proof)?;

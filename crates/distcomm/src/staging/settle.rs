@@ -8,8 +8,8 @@
 //! caller that sees the outcome sees the data published, and nobody publishes twice. Polling
 //! never waits, not even for another thread's publication.
 
+use crate::completion::Status;
 use crate::error::{Error, Result};
-use crate::work::Status;
 
 #[cfg(loom)]
 use loom::sync::{
@@ -127,7 +127,7 @@ mod model {
     use loom::thread;
 
     use super::Settle;
-    use crate::work::Status;
+    use crate::completion::Status;
 
     fn status() -> Status {
         Status {

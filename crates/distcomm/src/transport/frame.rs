@@ -108,65 +108,8 @@ pub enum NackReason {
     Cancelled = 4,
 }
 
-/// What a collective call was: kind, operator, root and element count. Zero for point-to-point.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
-pub struct Fingerprint {
-    pub kind: u8,
-    pub op: u8,
-    pub root: u32,
-    pub count: u64,
-}
-
-/// Names of fingerprint kinds on the wire (index = `kind`).
-pub const KIND_NAMES: [&str; 10] = [
-    "point-to-point",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "all_to_all",
-    "barrier",
-];
-
-/// Names of reduce operators on the wire (index = `op`).
-pub const OP_NAMES: [&str; 9] = [
-    "", "sum", "product", "min", "max", "avg", "band", "bor", "bxor",
-];
-
-impl Fingerprint {
-    /// Point-to-point messages carry no fingerprint.
-    pub const NONE: Fingerprint = Fingerprint {
-        kind: 0,
-        op: 0,
-        root: 0,
-        count: 0,
-    };
-
-    /// The messages of a barrier.
-    pub const BARRIER: Fingerprint = Fingerprint {
-        kind: 9,
-        ..Fingerprint::NONE
-    };
-
-    /// Human-readable description, e.g. `all_reduce(op=sum, count=10, dtype=f32)`.
-    pub fn describe(&self, dtype: DType) -> String {
-        let kind = KIND_NAMES
-            .get(self.kind as usize)
-            .copied()
-            .unwrap_or("unknown");
-        let mut s = format!("{kind}(");
-        if let Some(op) = OP_NAMES.get(self.op as usize).filter(|o| !o.is_empty()) {
-            s += &format!("op={op}, ");
-        }
-        if matches!(kind, "broadcast" | "reduce" | "gather" | "scatter") {
-            s += &format!("root={}, ", self.root);
-        }
-        s + &format!("count={}, dtype={dtype})", self.count)
-    }
-}
+/// The fingerprint vocabulary is the call module's: the frame carries it opaquely.
+pub use crate::call::{Fingerprint, KIND_NAMES, OP_NAMES};
 
 /// A decoded header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

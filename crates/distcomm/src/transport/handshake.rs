@@ -15,15 +15,14 @@
 //! fields are zero and only the hello is checked. MACs are HMAC-SHA-256 (`hmac` + `sha2`),
 //! compared in constant time.
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use crate::crypto;
 
 const MAGIC: &[u8; 4] = b"DCM2";
 const VERSION: u32 = 2;
 /// Bytes of a hello.
 pub const HELLO_LEN: usize = 48;
 /// Bytes of a nonce and of a MAC.
-pub const TOKEN_LEN: usize = 32;
+pub const TOKEN_LEN: usize = crypto::TOKEN_LEN;
 
 /// A peer's hello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,9 +82,7 @@ impl Hello {
 
 /// A fresh random nonce.
 pub fn nonce() -> Result<[u8; TOKEN_LEN], String> {
-    let mut n = [0u8; TOKEN_LEN];
-    getrandom::getrandom(&mut n).map_err(|e| format!("no randomness for a nonce: {e}"))?;
-    Ok(n)
+    crypto::nonce()
 }
 
 /// The MAC one side sends: `role` is b'A' (acceptor) or b'C' (connector).
@@ -95,26 +92,25 @@ pub fn mac(
     acceptor: &Hello,
     connector: &Hello,
 ) -> [u8; TOKEN_LEN] {
-    let Some(secret) = secret else {
-        return [0u8; TOKEN_LEN];
-    };
-    let mut out = [0u8; TOKEN_LEN];
-    // HMAC takes keys of any length; the error branch cannot happen.
-    if let Ok(mut m) = Hmac::<Sha256>::new_from_slice(secret) {
-        transcript(&mut m, role, acceptor, connector);
-        out.copy_from_slice(&m.finalize().into_bytes());
+    match secret {
+        Some(secret) => transcript(role, acceptor, connector, |parts| {
+            crypto::mac(secret, parts)
+        }),
+        None => [0u8; TOKEN_LEN],
     }
-    out
 }
 
-fn transcript(m: &mut Hmac<Sha256>, role: u8, a: &Hello, c: &Hello) {
-    m.update(b"distcomm-auth-v2");
-    m.update(&[role]);
-    m.update(&(a.rank as u64).to_le_bytes());
-    m.update(&(c.rank as u64).to_le_bytes());
-    m.update(&(a.world as u64).to_le_bytes());
-    m.update(&a.nonce);
-    m.update(&c.nonce);
+/// Hands the transcript's parts (both ranks, the world size, both nonces) to `f`.
+fn transcript<R>(role: u8, a: &Hello, c: &Hello, f: impl FnOnce(&[&[u8]]) -> R) -> R {
+    f(&[
+        b"distcomm-auth-v2",
+        &[role],
+        &(a.rank as u64).to_le_bytes(),
+        &(c.rank as u64).to_le_bytes(),
+        &(a.world as u64).to_le_bytes(),
+        &a.nonce,
+        &c.nonce,
+    ])
 }
 
 /// Checks the MAC the other side sent (constant time).
@@ -125,15 +121,11 @@ pub fn verify(
     connector: &Hello,
     got: &[u8; TOKEN_LEN],
 ) -> bool {
-    let Some(secret) = secret else {
-        return true;
-    };
-    match Hmac::<Sha256>::new_from_slice(secret) {
-        Ok(mut m) => {
-            transcript(&mut m, role, acceptor, connector);
-            m.verify_slice(got).is_ok()
-        }
-        Err(_) => false,
+    match secret {
+        Some(secret) => transcript(role, acceptor, connector, |parts| {
+            crypto::verify(secret, parts, got)
+        }),
+        None => true,
     }
 }
 

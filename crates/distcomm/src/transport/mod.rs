@@ -95,47 +95,35 @@ use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
 
-/// How ranks on one host talk (`DISTCOMM_TRANSPORT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TransportKind {
-    /// Shared memory towards ranks on this host, TCP towards the others (the default).
-    #[default]
-    Auto,
-    /// TCP everywhere.
+pub use crate::config::TransportKind;
+
+/// What carries the bytes towards one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LinkKind {
+    /// A TCP connection.
     Tcp,
-    /// Shared memory everywhere; an error if any peer is on another host or the platform has no
-    /// shared-memory transport.
+    /// Shared-memory rings and lane (beside a TCP connection for wake-ups and failures).
     Shm,
+    /// This process itself: no link.
+    Loopback,
 }
 
-impl TransportKind {
-    /// Parses `auto`, `tcp` or `shm`.
-    pub fn parse(s: &str) -> Result<TransportKind> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(TransportKind::Auto),
-            "tcp" => Ok(TransportKind::Tcp),
-            "shm" => Ok(TransportKind::Shm),
-            other => Err(Error::Config(format!(
-                "DISTCOMM_TRANSPORT={other:?}: expected auto, tcp or shm"
-            ))),
-        }
-    }
-
-    pub(crate) fn word(self) -> &'static str {
+impl LinkKind {
+    /// The name the API reports (`"tcp"`, `"shm"`, `"self"`).
+    pub fn name(self) -> &'static str {
         match self {
-            TransportKind::Auto => "auto",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
+            LinkKind::Tcp => "tcp",
+            LinkKind::Shm => "shm",
+            LinkKind::Loopback => "self",
         }
     }
-}
 
-/// Whether a link of kind `kind` (`"tcp"`, `"shm"`, `"self"`) can move bytes of memory `mem`
-/// itself. Every native link copies through this process's address space — socket I/O,
-/// shared-memory rings, cross-memory attach — so each addresses host memory only; everything
-/// else is staged.
-pub(crate) fn link_addresses(kind: &str, mem: Memory) -> bool {
-    matches!(kind, "tcp" | "shm" | "self") && mem == Memory::Host
+    /// Whether this link moves bytes of memory `mem` itself. Every native link copies through
+    /// this process's address space — socket I/O, shared-memory rings, cross-memory attach — so
+    /// each addresses host memory only; everything else is staged.
+    pub fn addresses(self, mem: Memory) -> bool {
+        mem == Memory::Host
+    }
 }
 
 /// Settings of the shared-memory links.
@@ -179,10 +167,13 @@ pub(crate) fn setup_shm(
 /// The address other ranks should use to reach this host: `DISTCOMM_HOST` if set, loopback when
 /// the master is on loopback, otherwise the local interface that routes to the master.
 pub fn advertise_ip(master: &str) -> Result<IpAddr> {
-    if let Ok(h) = std::env::var("DISTCOMM_HOST") {
-        return h
-            .parse()
-            .map_err(|_| Error::Config(format!("DISTCOMM_HOST={h} is not an IP address")));
+    advertise_ip_or(master, crate::config::Reader::env().host()?)
+}
+
+/// [`advertise_ip`] with `DISTCOMM_HOST` already read (`host`).
+pub(crate) fn advertise_ip_or(master: &str, host: Option<IpAddr>) -> Result<IpAddr> {
+    if let Some(ip) = host {
+        return Ok(ip);
     }
     let target = (master, 9)
         .to_socket_addrs()

@@ -876,7 +876,8 @@ impl Region {
 struct Hello {
     host: String,
     pid: i32,
-    kind: String,
+    /// What the peer asked for (unknown words, from a newer peer, read as `auto`).
+    kind: TransportKind,
     cma: bool,
     seg: String,
 }
@@ -887,7 +888,7 @@ impl Hello {
             "host={} pid={} kind={} cma={} seg={}\n",
             self.host,
             self.pid,
-            self.kind,
+            self.kind.word(),
             u8::from(self.cma),
             self.seg
         )
@@ -897,7 +898,7 @@ impl Hello {
         let mut h = Hello {
             host: String::new(),
             pid: 0,
-            kind: String::new(),
+            kind: TransportKind::Auto,
             cma: false,
             seg: String::new(),
         };
@@ -906,7 +907,7 @@ impl Hello {
             match k {
                 "host" => h.host = v.to_string(),
                 "pid" => h.pid = v.parse().ok()?,
-                "kind" => h.kind = v.to_string(),
+                "kind" => h.kind = TransportKind::parse(v).unwrap_or_default(),
                 "cma" => h.cma = v == "1",
                 "seg" => h.seg = v.to_string(),
                 _ => {}
@@ -998,7 +999,7 @@ pub(crate) fn setup(
         let hello = Hello {
             host: host.clone().unwrap_or_else(|| "-".into()),
             pid,
-            kind: cfg.kind.word().into(),
+            kind: cfg.kind,
             cma: cfg.cma,
             seg,
         };
@@ -1033,8 +1034,8 @@ pub(crate) fn setup(
             cleanup(&tx);
             return Err(proto(peer, format!("bad shared-memory hello {line:?}")));
         };
-        forced[peer] |= h.kind == "shm";
-        let why_not = if cfg.kind == TransportKind::Tcp || h.kind == "tcp" {
+        forced[peer] |= h.kind == TransportKind::Shm;
+        let why_not = if cfg.kind == TransportKind::Tcp || h.kind == TransportKind::Tcp {
             Some("one side chose tcp")
         } else if host.as_deref().is_none_or(|me| me != h.host) {
             Some("another host, or no shared memory there")
@@ -1047,7 +1048,7 @@ pub(crate) fn setup(
                 return Err(Error::Config(format!(
                     "DISTCOMM_TRANSPORT=shm, but ranks {rank} and {peer} cannot share memory \
                      ({why}; rank {peer} asked for {})",
-                    h.kind
+                    h.kind.word()
                 )));
             }
             verdict[peer] = Err(why.into());

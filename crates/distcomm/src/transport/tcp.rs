@@ -56,10 +56,10 @@ use super::frame::{
 };
 #[cfg(target_os = "linux")]
 use super::shm;
-use super::{LaneMsg, ShmLink, ShmWatch};
+use super::{LaneMsg, LinkKind, ShmLink, ShmWatch};
+use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::work::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 
 /// Everything about a posted operation except its buffer and its peer.
 #[derive(Debug, Clone, Copy)]
@@ -330,7 +330,7 @@ impl PendingSend {
     /// Whether an eager send of it waits for the receiver's Ack: point-to-point sends do;
     /// collectives' are done once written ([`EAGER_NO_ACK`]).
     fn waits_for_ack(&self) -> bool {
-        self.fp.kind == 0
+        self.fp.is_point_to_point()
     }
 
     fn status(&self, peer: usize) -> Status {
@@ -707,7 +707,7 @@ impl State {
     ) -> std::result::Result<(), (Error, NackReason)> {
         let cap = r.buf.bytes().len() as u64;
         // A buffer sized by what arrives (pipeline tensors, byte objects) takes its length now.
-        let fitted = r.fp.kind == 0
+        let fitted = r.fp.is_point_to_point()
             && h.len != cap
             && r.fp == h.fp
             && (r.dtype == DType::Bytes || r.dtype == h.dtype)
@@ -728,7 +728,7 @@ impl State {
         h: &Header,
     ) -> std::result::Result<(), (Error, NackReason)> {
         // Collective messages must fit their receive exactly: both sides run the same schedule.
-        if fp != h.fp || (fp.kind != 0 && (h.len != cap || h.dtype != dtype)) {
+        if fp != h.fp || (!fp.is_point_to_point() && (h.len != cap || h.dtype != dtype)) {
             return Err((
                 Error::Desync {
                     op,
@@ -2528,12 +2528,12 @@ impl Engine {
         self.sh.lock().eager_max
     }
 
-    /// What carries messages to global rank `peer`: `"shm"`, `"tcp"` or `"self"`.
-    pub(crate) fn link_kind(&self, peer: usize) -> &'static str {
+    /// What carries messages to global rank `peer`.
+    pub(crate) fn link_kind(&self, peer: usize) -> LinkKind {
         match self.sh.lock().peers.get(peer) {
-            Some(Some(p)) if p.link.shm.is_some() => "shm",
-            Some(Some(_)) => "tcp",
-            _ => "self",
+            Some(Some(p)) if p.link.shm.is_some() => LinkKind::Shm,
+            Some(Some(_)) => LinkKind::Tcp,
+            _ => LinkKind::Loopback,
         }
     }
 
@@ -2552,7 +2552,7 @@ impl Engine {
         let Some(Some(watch)) = self.sh.watch.get(dst) else {
             return Fast::Declined;
         };
-        if data.len() > LANE_MAX || env.fp.kind != 0 {
+        if data.len() > LANE_MAX || !env.fp.is_point_to_point() {
             return Fast::Declined;
         }
         let h = env.eager(0, data.len());

@@ -1,5 +1,5 @@
 """Torch-level benchmark: every torch.distributed op through the torch API, on distcomm and on
-gloo (and DeepSpeed's shared-memory all_reduce kernel), in the same run, alternating.
+gloo, in the same run, alternating.
 
     python -m distcomm.bench [--world 2] [--backends distcomm,gloo] [--ops all_reduce,...]
                              [--sizes 8,64K,64M] [--dtype float32] [--repeat 3] [--json FILE]
@@ -10,8 +10,9 @@ after 3 warm-up calls (`pingpong`: half a round trip between ranks 0 and 1, `sen
 busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter,
 all_to_all (n-1)/n with S the whole output; the others 1). Every backend runs in its own
 freshly spawned ranks; with --repeat R the backends alternate R times and the median is
-reported, with the ratio to the first backend. Backend `ds_shm` is DeepSpeed's
-`inference_all_reduce` (all_reduce only; needs deepspeed, ninja and one node).
+reported, with the ratio to the first backend. (DeepSpeed's shared-memory all_reduce kernel is
+timed by its own peer script, ``../shared/bench/ds_shm_bench.py`` under torchrun: started from
+here, its ranks ran it ~100x slower than that script does.)
 """
 
 from __future__ import annotations
@@ -72,10 +73,6 @@ def _calls(op, rank, n, S, dtype):
         return f, t.nbytes, 2
     if op == "all_reduce":
         return (lambda: dist.all_reduce(t)), t.nbytes, 1
-    if op == "ds_all_reduce":
-        import deepspeed.comm as dcomm
-
-        return (lambda: dcomm.inference_all_reduce(t)), t.nbytes, 1
     if op == "broadcast":
         return (lambda: dist.broadcast(t, 0)), t.nbytes, 1
     if op == "reduce":
@@ -115,16 +112,7 @@ def _rank_main(rank, world, backend, init, ops, sizes, dtype_name, q):
     dtype = getattr(torch, dtype_name)
     if backend == "distcomm":
         import distcomm.torch  # noqa: F401
-    if backend == "ds_shm":
-        os.environ.update(LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu", RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo", init_method=init, rank=rank,
-                                   world_size=world, verbose=False, auto_mpi_discovery=False)
-        ops = ["ds_all_reduce"] if "all_reduce" in ops else []
-    else:
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     rows = []
     for op in ops:
         if op == "pingpong" and world < 2:
@@ -140,7 +128,7 @@ def _rank_main(rank, world, backend, init, ops, sizes, dtype_name, q):
                 f()
             mine = torch.tensor([(time.perf_counter() - t0) / iters / per_call], dtype=torch.float64)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            rows.append(dict(op="all_reduce" if op == "ds_all_reduce" else op, bytes=nbytes,
+            rows.append(dict(op=op, bytes=nbytes,
                              iters=iters, time_us=mine.item() * 1e6))
     dist.barrier()
     dist.destroy_process_group()

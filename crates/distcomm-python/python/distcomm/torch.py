@@ -184,6 +184,25 @@ def _seconds(timeout):
     return s if s > 0 else None
 
 
+def _future_of(work, done):
+    """A torch Future completed with `work`'s result when it ends (at once if `done`, else
+    from a thread that waits for it), or with its exception."""
+    fut = torch.futures.Future()
+
+    def settle():
+        try:
+            work.wait()
+            fut.set_result(work.result())
+        except Exception as e:  # noqa: BLE001 - handed to the future's waiter
+            fut.set_exception(e)
+
+    if done:
+        settle()
+    else:
+        threading.Thread(target=settle, name="distcomm-future", daemon=True).start()
+    return fut
+
+
 class DistcommWork(_TorchWork):
     """torch's ``Work`` over a distcomm operation: ``wait(timeout)`` (a timeout raises and
     leaves it pending), ``is_completed()`` that never blocks, ``exception()``,
@@ -233,21 +252,8 @@ class DistcommWork(_TorchWork):
     def get_future(self):
         if self._future is not None:
             return self._future
-        fut = torch.futures.Future()
-        self._future = fut
-
-        def settle():
-            try:
-                self.wait()
-                fut.set_result(self._result)
-            except Exception as e:  # noqa: BLE001 - handed to the future's waiter
-                fut.set_exception(e)
-
-        if self._w.is_completed():
-            settle()
-        else:
-            threading.Thread(target=settle, name="distcomm-future", daemon=True).start()
-        return fut
+        self._future = _future_of(self, self._w.is_completed())
+        return self._future
 
     def __repr__(self):
         return f"DistcommWork({self._w!r})"
@@ -579,17 +585,7 @@ class _Many(_TorchWork):
         pass
 
     def get_future(self):
-        fut = torch.futures.Future()
-
-        def settle():
-            try:
-                self.wait()
-                fut.set_result(self._result)
-            except Exception as e:  # noqa: BLE001 - handed to the future's waiter
-                fut.set_exception(e)
-
-        threading.Thread(target=settle, name="distcomm-future", daemon=True).start()
-        return fut
+        return _future_of(self, self.is_completed())
 
 
 def _split(t, n, chunk, op):

@@ -1,6 +1,7 @@
 """A torch program that never imports distcomm: torch finds the backend through the package's
 entry point. Prints one line per rank that the launcher tests check."""
 
+import os
 import sys
 
 import torch
@@ -17,6 +18,10 @@ dist.all_reduce(x)
 objs = [None] * world
 dist.all_gather_object(objs, rank)
 pg = dist.group.WORLD
-print(f"OK rank={rank} world={world} sum={x[0].item():g} objs={objs} backend={dist.get_backend()} "
-      f"group={type(pg).__name__}", flush=True)
+# One write(2) of the whole line: ranks share the launcher's stdout pipe, and print()'s separate
+# writes of text and newline can interleave with another rank's.
+line = (f"OK rank={rank} world={world} sum={x[0].item():g} objs={objs} backend={dist.get_backend()} "
+        f"group={type(pg).__name__}\n")
+sys.stdout.flush()
+os.write(sys.stdout.fileno(), line.encode())
 dist.destroy_process_group()

@@ -180,3 +180,20 @@ impl ProcessGroup {
         out
     }
 }
+
+thread_local! {
+    /// Bytes this thread's collectives handed to the transport (or put into a shared arena).
+    static SENT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes sent so far by collectives run on this thread: a collective runs wholly on one thread,
+/// so the difference across a call is what that call sent (backends count what they send with
+/// [`count_sent`]).
+pub(crate) fn sent_bytes() -> u64 {
+    SENT.with(|s| s.get())
+}
+
+/// Counts `n` bytes a collective of this thread sent.
+pub(crate) fn count_sent(n: usize) {
+    SENT.with(|s| s.set(s.get() + n as u64));
+}

@@ -13,6 +13,7 @@ pub mod handshake;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;
+pub(crate) use tcp::Envelope;
 
 #[cfg(target_os = "linux")]
 pub(crate) use shm::ShmLink;

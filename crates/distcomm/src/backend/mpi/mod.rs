@@ -31,13 +31,121 @@ pub(crate) use imp::*;
 #[cfg(not(feature = "mpi"))]
 pub(crate) use stub::*;
 
-use crate::device::Memory;
-use crate::reduce::ReduceOp;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Whether the MPI backend moves bytes of memory `mem` itself: host memory only (a CUDA-aware
-/// MPI could take device pointers, but the buffers distcomm hands MPI are host memory).
-pub(crate) fn addresses(mem: Memory) -> bool {
-    mem == Memory::Host
+use super::{typed, typed_mut, with_dtype, Backend, CollCall, Posted, Split};
+use crate::device::Memory;
+use crate::error::{Error, Result};
+use crate::reduce::{ReduceOp, Reducible};
+use crate::transport::Envelope;
+use crate::work::BoxBuf;
+
+/// One group on MPI: its communicators.
+pub(crate) struct MpiBackend {
+    comm: Comm,
+}
+
+impl MpiBackend {
+    /// The world group (rank and world as the launcher says; MPI must agree).
+    pub(crate) fn world(rank: usize, world: usize) -> Result<MpiBackend> {
+        Ok(MpiBackend {
+            comm: self::world(rank, world)?,
+        })
+    }
+
+    /// The typed collective `c` on MPI, once every collective issued before it in this group
+    /// has run (MPI needs every rank to start a communicator's collectives in one order).
+    fn typed<T: Reducible>(&self, c: CollCall, coll: super::Coll<'_>) -> Result<()> {
+        let op = c.call.kind.name();
+        c.turn.wait(op, self.comm.world_rank(), c.timeout)?;
+        let coll = match coll {
+            super::Coll::AllReduce(b, o) => Coll::AllReduce(typed_mut::<T>(op, b)?, o),
+            super::Coll::Broadcast(b, root) => Coll::Broadcast(typed_mut::<T>(op, b)?, root),
+            super::Coll::Reduce(b, root, o) => Coll::Reduce(typed_mut::<T>(op, b)?, root, o),
+            super::Coll::AllGather(i, o) => {
+                Coll::AllGather(typed::<T>(op, i)?, typed_mut::<T>(op, o)?)
+            }
+            super::Coll::Gather(i, o, root) => {
+                let o = o.map(|o| typed_mut::<T>(op, o)).transpose()?;
+                Coll::Gather(typed::<T>(op, i)?, o, root)
+            }
+            super::Coll::Scatter(i, o, root) => {
+                let i = i.map(|i| typed::<T>(op, i)).transpose()?;
+                Coll::Scatter(i, typed_mut::<T>(op, o)?, root)
+            }
+            super::Coll::ReduceScatter(i, o, r) => {
+                Coll::ReduceScatter(typed::<T>(op, i)?, typed_mut::<T>(op, o)?, r)
+            }
+            super::Coll::AllToAll((i, sc), (o, rc)) => {
+                Coll::AllToAll((typed::<T>(op, i)?, sc), (typed_mut::<T>(op, o)?, rc))
+            }
+        };
+        // The turn passes when `c` drops, after the call: MPI's order is then the issue order.
+        self.comm.collective(coll, c.timeout)
+    }
+}
+
+impl Backend for MpiBackend {
+    fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize, _timeout: Duration) -> Result<Posted> {
+        self.comm.isend(env, buf, dst)
+    }
+
+    fn irecv(
+        &self,
+        env: Envelope,
+        buf: BoxBuf,
+        src: Option<usize>,
+        _timeout: Duration,
+    ) -> Result<Posted> {
+        self.comm.irecv(env, buf, src)
+    }
+
+    fn collective(&self, c: CollCall, coll: super::Coll<'_>) -> Result<()> {
+        with_dtype!(c.dtype, T => self.typed::<T>(c, coll))
+    }
+
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        self.comm.barrier(timeout)
+    }
+
+    fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {
+        if !how.collective {
+            return Err(Error::InvalidArgument {
+                op: "subgroup",
+                rank: self.comm.world_rank(),
+                detail: "MPI splits a communicator with every rank of it: use new_group".into(),
+            });
+        }
+        let comm = self.comm.split(how.me)?;
+        Ok(comm.map(|comm| Arc::new(MpiBackend { comm }) as Arc<dyn Backend>))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
+    }
+
+    /// Host memory only (a CUDA-aware MPI could take device pointers, but the buffers distcomm
+    /// hands MPI are host memory).
+    fn addresses(&self, mem: Memory) -> bool {
+        mem == Memory::Host
+    }
+
+    fn transport(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn transport_to(&self, _peer: usize) -> &'static str {
+        "mpi"
+    }
+
+    fn peer_failure(&self, _peer: usize) -> Option<String> {
+        None
+    }
+
+    fn eager_max(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// One collective call, as the MPI backend receives it (arguments already checked).
@@ -63,30 +171,19 @@ mod stub {
     use std::time::Duration;
 
     use super::Coll;
+    use crate::backend::Posted;
     use crate::error::Result;
     use crate::reduce::Reducible;
-    use crate::transport::tcp::Envelope;
-    use crate::work::{BoxBuf, Work};
+    use crate::transport::Envelope;
+    use crate::work::BoxBuf;
 
     pub(crate) enum Comm {}
 
     impl Comm {
-        pub(crate) fn isend<B: 'static>(
-            &self,
-            _: Envelope,
-            _: BoxBuf,
-            _: usize,
-            _: Duration,
-        ) -> Result<Work<B>> {
+        pub(crate) fn isend(&self, _: Envelope, _: BoxBuf, _: usize) -> Result<Posted> {
             match *self {}
         }
-        pub(crate) fn irecv<B: 'static>(
-            &self,
-            _: Envelope,
-            _: BoxBuf,
-            _: Option<usize>,
-            _: Duration,
-        ) -> Result<Work<B>> {
+        pub(crate) fn irecv(&self, _: Envelope, _: BoxBuf, _: Option<usize>) -> Result<Posted> {
             match *self {}
         }
         pub(crate) fn collective<T: Reducible>(&self, _: Coll<'_, T>, _: Duration) -> Result<()> {
@@ -99,6 +196,9 @@ mod stub {
             match *self {}
         }
         pub(crate) fn abort(&self, _: &str) {
+            match *self {}
+        }
+        pub(crate) fn world_rank(&self) -> usize {
             match *self {}
         }
     }
@@ -128,13 +228,13 @@ mod imp {
     use mpi::ffi;
 
     use super::Coll;
+    use crate::backend::Posted;
+    use crate::backend::{CTX_PER_GROUP, CTX_PIPE, CTX_USER};
     use crate::completion::{BoxBuf, Deadline, Driver, OpCell, Status};
     use crate::dtype::DType;
     use crate::error::{Error, Result};
-    use crate::group::{CTX_PER_GROUP, CTX_PIPE, CTX_USER};
     use crate::reduce::{ReduceOp, Reducible};
-    use crate::transport::tcp::Envelope;
-    use crate::work::Work;
+    use crate::transport::Envelope;
 
     /// An MPI handle (communicator, request, message): an opaque pointer that MPI lets any
     /// thread use; distcomm only ever uses one under the process-wide lock ([`mpi_lock`]).
@@ -748,34 +848,31 @@ mod imp {
             })
         }
 
+        /// This process's world rank (errors name it).
+        pub(crate) fn world_rank(&self) -> usize {
+            self.world_rank
+        }
+
         fn comm_for(&self, env: &Envelope) -> Handle<ffi::MPI_Comm> {
-            match env.ctx % CTX_PER_GROUP {
+            match env.ctx {
                 CTX_USER => self.user,
                 CTX_PIPE => self.pipe,
                 _ => self.coll,
             }
         }
 
-        fn work<B: 'static>(
-            &self,
-            cell: Arc<OpCell>,
-            id: u64,
-            op: &'static str,
-            peer: Option<usize>,
-            timeout: Duration,
-        ) -> Work<B> {
+        fn posted(&self, cell: Arc<OpCell>, id: u64) -> Posted {
             let driver: Arc<dyn Driver> = Arc::new(MpiDriver { rank: self.rank });
-            Work::new(cell, driver, id, op, peer, timeout)
+            Posted {
+                cell,
+                driver,
+                id,
+                map: None,
+            }
         }
 
         /// After [`abort`](Self::abort): a handle that has already failed.
-        fn refused<B: 'static>(
-            &self,
-            t: &Table,
-            op: &'static str,
-            peer: Option<usize>,
-            timeout: Duration,
-        ) -> Option<Work<B>> {
+        fn refused(&self, t: &Table, op: &'static str) -> Option<Posted> {
             let reason = t.aborted.get(&self.family)?.clone();
             let cell = Arc::new(OpCell::default());
             cell.complete(
@@ -786,24 +883,18 @@ mod imp {
                 }),
                 None,
             );
-            Some(self.work(cell, 0, op, peer, timeout))
+            Some(self.posted(cell, 0))
         }
 
         /// Posts a send of `buf` to group rank `dst`.
-        pub(crate) fn isend<B: 'static>(
-            &self,
-            env: Envelope,
-            buf: BoxBuf,
-            dst: usize,
-            timeout: Duration,
-        ) -> Result<Work<B>> {
+        pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> Result<Posted> {
             let g = global()?;
             let len = buf.bytes().len();
             let count = c_int::try_from(len).map_err(|_| too_big(env.op, self.rank, len))?;
             let comm = self.comm_for(&env);
             let mut t = mpi_lock(g);
-            if let Some(w) = self.refused(&t, env.op, Some(dst), timeout) {
-                return Ok(w.detach_on_drop());
+            if let Some(w) = self.refused(&t, env.op) {
+                return Ok(w);
             }
             let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
             // SAFETY: `buf` is heap memory owned by the pending entry pushed below until MPI
@@ -838,28 +929,25 @@ mod imp {
             });
             g.work.notify_one();
             drop(t);
-            Ok(self
-                .work(cell, id, env.op, Some(dst), timeout)
-                .detach_on_drop())
+            Ok(self.posted(cell, id))
         }
 
         /// Posts a receive into `buf` from group rank `src` (`None`: any).
-        pub(crate) fn irecv<B: 'static>(
+        pub(crate) fn irecv(
             &self,
             env: Envelope,
             buf: BoxBuf,
             src: Option<usize>,
-            timeout: Duration,
-        ) -> Result<Work<B>> {
+        ) -> Result<Posted> {
             let g = global()?;
             let comm = self.comm_for(&env);
             let id = g.next_id.fetch_add(1, Ordering::Relaxed);
             let cell = Arc::new(OpCell::default());
             let mut t = mpi_lock(g);
-            if let Some(w) = self.refused(&t, env.op, src, timeout) {
+            if let Some(w) = self.refused(&t, env.op) {
                 return Ok(w);
             }
-            let chan = self.id * u64::from(CTX_PER_GROUP) + u64::from(env.ctx % CTX_PER_GROUP);
+            let chan = self.id * u64::from(CTX_PER_GROUP) + u64::from(env.ctx);
             // SAFETY: reading rsmpi's exported constant.
             let mpi_src = src.map_or(unsafe { ffi::RSMPI_ANY_SOURCE }, |s| s as c_int);
             // Posted directly only when no earlier receive on this channel and tag is still
@@ -913,7 +1001,7 @@ mod imp {
             progress(&mut t);
             g.work.notify_one();
             drop(t);
-            Ok(self.work(cell, id, env.op, src, timeout))
+            Ok(self.posted(cell, id))
         }
 
         /// Waits for a collective's request; at the deadline, aborts the job (see the module).

@@ -81,6 +81,7 @@ pub mod error;
 pub mod group;
 pub mod launch;
 mod onebit;
+mod order;
 pub mod pipeline;
 mod pool;
 pub mod reduce;

@@ -88,7 +88,7 @@ pub(crate) struct CollCall {
     pub tag: u32,
     /// Its place in the group's order: a backend whose calls must start in issue order on every
     /// rank waits for it ([`Turn::wait`]) and passes it on once started.
-    pub turn: crate::group::Turn,
+    pub turn: crate::order::Turn,
     pub timeout: Duration,
 }
 

@@ -1,24 +1,20 @@
 //! Building the world group: from explicit settings ([`GroupBuilder`]) or the launcher's
 //! environment ([`init`]), through the rendezvous store to a backend.
 //!
-//! Owns: the order of set-up (store, mesh, shared-memory links, engine, arena) and the choice of
-//! backend. Must not know: how a backend runs operations.
+//! Owns: the rendezvous store (hosted or handed over) and the choice of backend. Must not know:
+//! how a backend connects or runs operations.
 
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Keep, ProcessGroup, DEFAULT_TIMEOUT, OVERSUBSCRIBED_SPIN};
-use crate::backend::native::arena::{self, ArenaConfig};
-use crate::backend::native::NativeBackend;
+use super::{Keep, ProcessGroup, DEFAULT_TIMEOUT};
+use crate::backend::native::Native;
 use crate::config::{BackendKind, Config};
 use crate::env::JobEnv;
 use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::transport::tcp::{Engine, EngineConfig};
-use crate::transport::{
-    advertise_ip_or, connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING,
-};
+use crate::transport::{advertise_ip_or, TransportKind};
 
 /// Builds a [`ProcessGroup`] explicitly, or from the environment with [`GroupBuilder::from_env`].
 ///
@@ -239,77 +235,32 @@ impl GroupBuilder {
         };
         let store = PrefixStore::new("distcomm", client);
         let ip: IpAddr = advertise_ip_or(&host, env.host)?;
-        let streams = connect_mesh(
-            &store,
-            self.rank,
-            self.world,
+        let native = Native {
+            rank: self.rank,
+            world: self.world,
+            local_world: self.local_world.unwrap_or(self.world),
             ip,
             timeout,
-            secret.as_deref(),
-        )?;
-        let shm = ShmConfig {
-            kind: self.transport.unwrap_or(env.transport),
-            ring: env.shm_ring.unwrap_or(DEFAULT_RING),
-            cma: env.shm_cma,
+            secret: secret.as_deref(),
+            transport: self.transport.unwrap_or(env.transport),
         };
-        let deadline = std::time::Instant::now() + timeout;
-        let links = setup_shm(&streams, self.rank, &shm, deadline)?;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let local = self.local_world.unwrap_or(self.world);
-        let oversubscribed = local > cores;
-        let spin = match env.spin {
-            Some(spin) => spin,
-            None if !oversubscribed => Duration::from_millis(2),
-            None => OVERSUBSCRIBED_SPIN,
-        };
-        let cfg = EngineConfig {
-            eager_max: env.eager_max.unwrap_or(64 * 1024),
-            shm_eager_max: env.shm_eager_max.unwrap_or(16 * 1024),
-            spin,
-            yield_spin: oversubscribed,
-            sockbuf: env.sockbuf,
-            data_chunk: env.data_chunk.map(|b| b.max(1)),
-        };
-        let all_shm = links
-            .iter()
-            .enumerate()
-            .all(|(p, l)| p == self.rank || l.is_some());
-        let engine = Engine::start(self.rank, streams, links, cfg)?;
+        let config = Arc::new(env);
+        let (backend, state) = native.connect(&store, config.clone())?;
         let members: Arc<Vec<usize>> = Arc::new((0..self.world).collect());
-        let arena_cfg = ArenaConfig {
-            enabled: env.shm_allreduce,
-            chunk: env
-                .shm_arena_chunk
-                .map_or(arena::DEFAULT_CHUNK, |b| b.clamp(4096, 1 << 30))
-                .next_multiple_of(64),
-            oversubscribed,
-            // Measured faster than the network algorithms at every size up to 64 MiB here
-            // (see the README); `DISTCOMM_SHM_ALLREDUCE_MAX` caps it.
-            max_bytes: env.shm_allreduce_max.unwrap_or(usize::MAX),
-        };
-        let arena = arena::establish(&store, self.rank, members.clone(), all_shm, &arena_cfg)?;
         let ready = crate::diag::Ready {
             store: self.store_addr.clone(),
             hosts_store: server.is_some(),
             secret: secret.is_some(),
             store_auth,
-            arena: crate::diag::Ready::arena_state(
-                arena.is_some(),
-                arena_cfg.enabled,
-                all_shm,
-                self.world,
-            ),
-            spin,
-            oversubscribed,
+            arena: state.arena,
+            spin: state.spin,
+            oversubscribed: state.oversubscribed,
         };
         let keep = Keep {
             store: Some(store),
             _server: server,
             subgroups: Default::default(),
         };
-        let config = Arc::new(env);
-        let backend =
-            NativeBackend::world(engine, members.clone(), self.rank, arena, config.clone());
         let group =
             ProcessGroup::world(Arc::new(backend), members, self.rank, timeout, keep, config);
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.

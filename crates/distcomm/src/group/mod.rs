@@ -1,18 +1,18 @@
 //! The process group: what users call. Checks arguments, numbers collectives, keeps them in
-//! issue order ([`order`]), runs async ones on the group's collective thread, books the comms
+//! issue order (`crate::order`), runs async ones on the group's collective thread, books the comms
 //! log, and hands every operation to the group's backend (`crate::backend::Backend`).
 //!
 //! * `builder`: the world group from settings or the launcher's environment;
 //! * `p2p`: point-to-point;
 //! * `collectives`: the collectives;
-//! * `order`: the issue order of collectives.
+//! * `streamed`: the streamed exchanges of composite collectives (1-bit all_reduce).
 //!
 //! Owns: the public API and its argument checks. Must not know: which backend runs a call, or
 //! how (no transport, engine or MPI type appears here).
 
 mod builder;
 mod collectives;
-mod order;
+
 mod p2p;
 mod streamed;
 
@@ -23,8 +23,8 @@ use std::time::Duration;
 /// The former name of [`BackendKind`](crate::BackendKind).
 #[allow(deprecated)]
 pub use crate::config::Backend;
+pub(crate) use crate::order::Turn;
 pub use builder::{init, GroupBuilder};
-pub(crate) use order::Turn;
 
 use crate::backend::{Backend as Carrier, Split, CTX_PER_GROUP};
 use crate::config::Config;
@@ -84,7 +84,7 @@ pub(crate) struct Inner {
     world: bool,
     pub(crate) timeout: Duration,
     /// The issue order of the group's collectives; a turn's number is the call's tag.
-    pub(crate) order: Arc<order::Order>,
+    pub(crate) order: Arc<crate::order::Order>,
     /// Job-wide count of subgroups created, to give each its own contexts.
     groups: Arc<AtomicU32>,
     /// Runs this group's asynchronous collectives in issue order.

@@ -19,7 +19,7 @@
 //! desync error on every rank, never a wrong result.
 //!
 //! Ordering: ranks must enter the arena in the same order. Calls run in the group's issue order
-//! (the caller waits for the call's turn, see `crate::group`), one at a time, whatever thread
+//! (the caller waits for the call's turn, see `crate::order`), one at a time, whatever thread
 //! runs them.
 //!
 //! Waiting spins briefly, then yields the core (at once when ranks outnumber cores), then
@@ -87,7 +87,7 @@ pub(crate) struct Arena {
     /// Largest all_reduce (bytes) that goes through the arena.
     max_bytes: usize,
     /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
-    /// Calls run one at a time, in issue order (the group's turns, see `crate::group`).
+    /// Calls run one at a time, in issue order (the group's turns, see `crate::order`).
     step: AtomicU64,
 }
 

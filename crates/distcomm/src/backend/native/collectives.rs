@@ -21,7 +21,7 @@ use crate::commslog::count_sent;
 use crate::completion::{Deadline, RawView};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::group::Turn;
+use crate::order::Turn;
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::Envelope;
 use crate::work::{wait_all, Pending, Work};

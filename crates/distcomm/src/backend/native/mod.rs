@@ -15,6 +15,9 @@ pub(crate) mod arena;
 #[path = "arena_stub.rs"]
 pub(crate) mod arena;
 mod collectives;
+mod setup;
+
+pub(crate) use setup::Native;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -89,6 +89,11 @@ pub const VARS: [&str; 22] = [
 
 /// What the yes/no variables accept.
 const FLAG: &str = "1 or 0 (also true/false, yes/no, on/off)";
+/// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
+/// then sleep: a short yielding spin catches a reply from a rank that is running now without
+/// keeping anyone from the core (see the README for the measurements behind it).
+pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
+
 /// What the byte-size variables accept.
 const BYTES: &str = "a whole number of bytes";
 /// What the on/off switches whose default is on accept (any other number also means on).

@@ -265,7 +265,12 @@ impl GroupBuilder {
             ProcessGroup::world(Arc::new(backend), members, self.rank, timeout, keep, config);
         // Nobody leaves init (and a hosting rank cannot drop the store) before all are connected.
         group.barrier()?;
-        ready.log(&group);
+        if tracing::enabled!(target: "distcomm::init", tracing::Level::INFO) {
+            let links: Vec<&str> = (0..group.size())
+                .map(|p| group.transport_to(p).unwrap_or("?"))
+                .collect();
+            ready.log(group.rank(), &links, group.transport(), group.timeout());
+        }
         Ok(group)
     }
 }

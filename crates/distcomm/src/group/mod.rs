@@ -36,10 +36,7 @@ use crate::rendezvous::{PrefixStore, Store};
 /// Largest user tag. Tags above it are refused with [`Error::TagOutOfRange`].
 pub const MAX_TAG: u32 = i32::MAX as u32;
 
-/// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
-/// then sleep: a short yielding spin catches a reply from a rank that is running now without
-/// keeping anyone from the core (see the README for the measurements behind it).
-pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
+pub use crate::config::OVERSUBSCRIBED_SPIN;
 
 /// Default deadline of blocking calls (override with `DISTCOMM_TIMEOUT` in seconds, or
 /// [`GroupBuilder::timeout`]).
@@ -282,7 +279,7 @@ impl ProcessGroup {
     /// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
     /// then sleep: a short yielding spin catches a reply from a rank that is running now without
     /// keeping anyone from the core (see the README for the measurements behind it).
-    pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
+    pub const OVERSUBSCRIBED_SPIN: Duration = crate::config::OVERSUBSCRIBED_SPIN;
 
     /// Default deadline of blocking calls.
     pub fn timeout(&self) -> Duration {
@@ -452,6 +449,33 @@ impl ProcessGroup {
             });
         }
         Ok(())
+    }
+
+    /// Turns the comms log on or off (it starts on when `DISTCOMM_COMMS_LOG=1`).
+    pub fn set_comms_log(&self, on: bool) {
+        self.inner.log.set_on(on);
+    }
+
+    /// Statistics so far, by op and size.
+    ///
+    /// ```no_run
+    /// # fn main() -> distcomm::Result<()> {
+    /// let group = distcomm::init()?;
+    /// group.set_comms_log(true);
+    /// let mut x = vec![1f32; 1024];
+    /// group.all_reduce(&mut x, distcomm::ReduceOp::Sum)?;
+    /// let stats = group.comms_log();
+    /// assert_eq!(stats[0].op, "all_reduce");
+    /// print!("{}", group.comms_log_summary());
+    /// # Ok(()) }
+    /// ```
+    pub fn comms_log(&self) -> Vec<crate::commslog::CommsStat> {
+        self.inner.log.stats()
+    }
+
+    /// The statistics as a table, one line per (op, size).
+    pub fn comms_log_summary(&self) -> String {
+        self.inner.log.summary()
     }
 
     /// Fails every pending operation of this process (all groups) promptly with

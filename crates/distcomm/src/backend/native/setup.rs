@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use super::arena::{self, ArenaConfig};
 use super::NativeBackend;
-use crate::config::Config;
+use crate::config::{Config, OVERSUBSCRIBED_SPIN};
 use crate::error::Result;
-use crate::group::OVERSUBSCRIBED_SPIN;
 use crate::rendezvous::PrefixStore;
 use crate::transport::tcp::{Engine, EngineConfig};
 use crate::transport::{connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING};

@@ -1,5 +1,7 @@
 //! Point-to-point: user sends and receives, blocking and nonblocking, and the posting every
 //! other part of the API goes through.
+//!
+//! Owns: tag and rank checks, the blocking forms. Must not know: how the backend matches.
 
 use std::time::Duration;
 

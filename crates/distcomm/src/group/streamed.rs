@@ -1,6 +1,9 @@
 //! Composite collectives' streamed exchanges (the 1-bit all_reduce's two phases), over the
 //! backend's point-to-point: blocks are produced and consumed one at a time while the others
 //! travel.
+//!
+//! Owns: the order blocks go out and come in. Must not know: the backend (any backend's
+//! point-to-point carries them; only its eager size is asked).
 
 use std::time::Instant;
 

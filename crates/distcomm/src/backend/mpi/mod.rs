@@ -25,6 +25,13 @@
 //!   (`MPI_Abort`) with a message naming the operation instead of hanging. Element types are not
 //!   checked between sender and receiver (MPI does not carry them), and buffers of device
 //!   memory are staged as on TCP (MPI here addresses host memory only).
+//!
+//! Files: `comm` (the communicators of a group: point-to-point, collectives, splits),
+//! `progress` (the lock, the requests in flight, their progress thread, error codes), `types`
+//! (element types, operators and buffers as MPI takes them).
+//!
+//! Owns: everything MPI. Must not know: the native engine, or the API beyond the [`Backend`]
+//! trait it implements.
 
 #[cfg(feature = "mpi")]
 mod comm;

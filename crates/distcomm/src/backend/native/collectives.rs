@@ -7,6 +7,9 @@
 //!
 //! `f16`/`bf16` reductions are carried out in `f32` (the data travels as `f32`) and rounded once
 //! at the end.
+//!
+//! Owns: which schedule runs a call, and running it. Must not know: the API's argument checks
+//! (calls arrive checked, this rank's own block in place) or how messages travel.
 
 use std::mem::{size_of, size_of_val};
 use std::ops::Deref;

@@ -1,5 +1,8 @@
 //! Connecting the world group's native backend: the mesh through the rendezvous store,
 //! shared-memory links where the peer shares the host, the engine and the arena.
+//!
+//! Owns: the order of set-up and the engine's tuning. Must not know: the store's server or the
+//! API.
 
 use std::net::IpAddr;
 use std::sync::Arc;

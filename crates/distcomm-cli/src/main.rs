@@ -1,9 +1,6 @@
 //! The `distcomm` command: `launch` local ranks torchrun-style, and `bench` communication.
 
 mod bench;
-mod collbench;
-mod plot;
-mod stagebench;
 
 use std::ffi::OsString;
 use std::process::ExitCode;

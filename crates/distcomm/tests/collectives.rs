@@ -644,3 +644,43 @@ fn a_rank_dying_mid_collective_fails_the_others_promptly() {
         },
     );
 }
+
+/// The shared-memory arena's path of the collectives other than all_reduce (every rank on one
+/// host over shared memory, parts up to its limit) gives the network path's results, and a root
+/// that differs between ranks is a desync naming both calls on every rank (a dead rank is found
+/// by the arena's waiting, tested with all_reduce).
+#[test]
+fn arena_collectives_match_and_detect_desync() {
+    run_native("arena_collectives_match_and_detect_desync", &[2, 3], |g| {
+        let (n, r) = (g.size(), g.rank());
+        if g.transport() != "shm" {
+            return; // DISTCOMM_TRANSPORT=tcp: no arena
+        }
+        // The arena's own path, first: small parts of every op give the right results.
+        let mut b = vec![r as i32 + 7; 3];
+        g.broadcast(&mut b, n - 1).unwrap();
+        assert_eq!(b, vec![n as i32 + 6; 3]);
+        g.barrier().unwrap();
+        let mut out = vec![0u8; 2 * n];
+        g.all_to_all(&vec![r as u8; 2 * n], &mut out).unwrap();
+        let want: Vec<u8> = (0..n).flat_map(|q| [q as u8; 2]).collect();
+        assert_eq!(out, want);
+        let mut red = [0f32; 2];
+        g.reduce_scatter(&vec![1f32 + r as f32; 2 * n], &mut red, ReduceOp::Avg)
+            .unwrap();
+        let avg = (1..=n).sum::<usize>() as f32 / n as f32;
+        assert_eq!(red, [avg; 2]);
+        // Broadcast from different roots.
+        let mut buf = vec![1i32; 16];
+        match g.broadcast(&mut buf, r % 2) {
+            Err(Error::Desync { ours, theirs, .. }) => {
+                assert!(
+                    ours.contains("root=") && theirs.contains("root="),
+                    "{ours} / {theirs}"
+                );
+                assert_ne!(ours, theirs);
+            }
+            other => panic!("rank {r}: expected desync, got {other:?}"),
+        }
+    });
+}

@@ -77,6 +77,8 @@ pub(crate) enum Coll<'a> {
     ReduceScatter(&'a [u8], &'a mut [u8], ReduceOp),
     /// Input and element counts per peer, output and counts per peer.
     AllToAll((&'a [u8], &'a [usize]), (&'a mut [u8], &'a [usize])),
+    /// Every member has entered it.
+    Barrier,
 }
 
 /// A collective as the API issued it: what was called, its sequence number and its place in
@@ -144,9 +146,6 @@ pub(crate) trait Backend: Send + Sync {
 
     /// Runs one collective to its end.
     fn collective(&self, c: CollCall, coll: Coll<'_>) -> Result<()>;
-
-    /// Blocks until every member has entered the barrier.
-    fn barrier(&self, timeout: Duration) -> Result<()>;
 
     /// The backend of a subgroup; `Ok(None)` on a non-member of a collective split.
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>>;

@@ -258,10 +258,14 @@ impl ProcessGroup {
         finish_recv(w, out, self.timeout())
     }
 
-    /// Blocks until every rank of the group has entered the barrier (native backend:
-    /// dissemination, ⌈log₂ n⌉ rounds of zero-byte messages).
+    /// Blocks until every rank of the group has entered the barrier (native backend: through the
+    /// shared-memory arena when the group has one, else dissemination, ⌈log₂ n⌉ rounds of
+    /// zero-byte messages).
     pub fn barrier(&self) -> Result<()> {
-        self.inner.backend.barrier(self.timeout())
+        let turn = self.inner.issue();
+        let call = crate::call::Call::new(crate::call::CallKind::Barrier, 0).quiet(true);
+        self.inner
+            .run::<u8>(call, turn, crate::backend::Coll::Barrier)
     }
 }
 

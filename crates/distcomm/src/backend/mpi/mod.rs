@@ -94,6 +94,7 @@ impl MpiBackend {
             super::Coll::AllToAll((i, sc), (o, rc)) => {
                 Coll::AllToAll((typed::<T>(op, i)?, sc), (typed_mut::<T>(op, o)?, rc))
             }
+            super::Coll::Barrier => return self.comm.barrier(c.timeout),
         };
         // The turn passes when `c` drops, after the call: MPI's order is then the issue order.
         self.comm.collective(coll, c.timeout)
@@ -117,10 +118,6 @@ impl Backend for MpiBackend {
 
     fn collective(&self, c: CollCall, coll: super::Coll<'_>) -> Result<()> {
         with_dtype!(c.dtype, T => self.typed::<T>(c, coll))
-    }
-
-    fn barrier(&self, timeout: Duration) -> Result<()> {
-        self.comm.barrier(timeout)
     }
 
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {

@@ -132,6 +132,8 @@ impl Broken {
 
 /// What a waiting rank needs to decide when to stop waiting.
 struct Wait<'a> {
+    /// The call's name, for errors.
+    op: &'static str,
     /// When waiting began (read lazily: the clock costs as much as a small call's transfer).
     since: std::cell::Cell<Option<Instant>>,
     timeout: Duration,
@@ -152,7 +154,10 @@ impl Wait<'_> {
     }
 }
 
-/// The words a call publishes: (kind, op, dtype, tag) and count.
+/// Bits of the second word that hold the count; the root is above them.
+const COUNT_BITS: u32 = 40;
+
+/// The words a call publishes: (kind, op, dtype, tag) and (root, count).
 fn fp_words(fp: &Fingerprint, dtype: DType, tag: u32) -> (u64, u64) {
     // Bit 24 marks the words as written (a fresh arena is all zeros).
     let w0 = u64::from(fp.kind)
@@ -160,15 +165,16 @@ fn fp_words(fp: &Fingerprint, dtype: DType, tag: u32) -> (u64, u64) {
         | (dtype as u64) << 16
         | 1 << 24
         | u64::from(tag) << 32;
-    (w0, fp.count)
+    let count = fp.count & ((1 << COUNT_BITS) - 1);
+    (w0, count | u64::from(fp.root) << COUNT_BITS)
 }
 
 fn describe(w0: u64, w1: u64) -> String {
     let fp = Fingerprint {
         kind: w0 as u8,
         op: (w0 >> 8) as u8,
-        root: 0,
-        count: w1,
+        root: (w1 >> COUNT_BITS) as u32,
+        count: w1 & ((1 << COUNT_BITS) - 1),
     };
     let dtype = DType::from_wire((w0 >> 16) as u8).unwrap_or(DType::Bytes);
     format!("{} (collective #{})", fp.describe(dtype), w0 >> 32)
@@ -271,7 +277,7 @@ impl Arena {
     /// Why waiting for rank `r` is pointless, if it is: the deadline passed, the arena broke,
     /// `r` is gone, or `r` runs another collective as this call (a desync).
     fn trouble(&self, r: usize, w: &Wait<'_>) -> Option<Error> {
-        let op = "all_reduce";
+        let op = w.op;
         if w.waited() >= w.timeout {
             return Some(Error::Timeout {
                 op,
@@ -343,6 +349,7 @@ impl Arena {
             per_chunk,
             first_step,
             Wait {
+                op: "all_reduce",
                 since: std::cell::Cell::new(None),
                 timeout,
                 engine,
@@ -477,7 +484,7 @@ impl Arena {
                     .store(2 * step + 2, Ordering::Release);
                 self.barrier(parity, 2 * step + 2, w)?;
                 if k == 0 {
-                    self.check_calls(first_step, w0, w1)?;
+                    self.check_calls(w.op, first_step, w0, w1)?;
                 }
                 // SAFETY: see above.
                 chunk.copy_from_slice(unsafe { self.region.view::<T>(at(0), m) });
@@ -494,7 +501,7 @@ impl Arena {
                 .store(2 * step + 1, Ordering::Release);
             self.barrier(parity, 2 * step + 1, w)?;
             if k == 0 {
-                self.check_calls(first_step, w0, w1)?;
+                self.check_calls(w.op, first_step, w0, w1)?;
             }
             let (lo, hi) = (m * self.me / self.n, m * (self.me + 1) / self.n);
             if hi > lo {
@@ -527,14 +534,14 @@ impl Arena {
     }
 
     /// After the first barrier of a call: every rank must have published the same call.
-    fn check_calls(&self, step: u64, w0: u64, w1: u64) -> Result<()> {
+    fn check_calls(&self, op: &'static str, step: u64, w0: u64, w1: u64) -> Result<()> {
         for r in (0..self.n).filter(|&r| r != self.me) {
             let ctrl = self.fp_at(r, step);
             let t0 = self.region.word(ctrl).load(Ordering::Acquire);
             let t1 = self.region.word(ctrl + 8).load(Ordering::Relaxed);
             if (t0, t1) != (w0, w1) {
                 return Err(Error::Desync {
-                    op: "all_reduce",
+                    op,
                     rank: self.me,
                     peer: r,
                     ours: describe(w0, w1),
@@ -544,6 +551,95 @@ impl Arena {
         }
         Ok(())
     }
+
+    /// Whether ranks outnumber cores.
+    pub(crate) fn oversubscribed(&self) -> bool {
+        self.oversubscribed
+    }
+
+    /// Bytes a rank can put into the arena in one [`exchange`](Self::exchange).
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.chunk
+    }
+
+    /// One step of a collective that moves data through the arena (broadcast, reduce, gather,
+    /// scatter, all_gather, reduce_scatter, all_to_all, barrier): every rank writes its part,
+    /// `put` filling `sizes(me)` bytes of its own slot, and waits for all; then `get(r, part)`
+    /// reads rank `r`'s part (`sizes(r)` bytes, every rank in rank order). Parts of at most
+    /// [`slot_bytes`](Self::slot_bytes). `s` describes the call (desync checks, errors).
+    ///
+    /// One barrier suffices: a rank writes its slot of this parity again two steps later, after
+    /// the barrier of the next step, which every rank reaches only once it has read this one.
+    pub(crate) fn exchange(
+        &self,
+        s: &Exchange<'_>,
+        sizes: &dyn Fn(usize) -> usize,
+        put: &mut dyn FnMut(&mut [u8]),
+        get: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let step = self.step.load(Ordering::Acquire);
+        let parity = step % 2;
+        let w = Wait {
+            op: s.op,
+            since: std::cell::Cell::new(None),
+            timeout: s.timeout,
+            engine: s.engine,
+            call: fp_words(s.fp, s.dtype, s.tag),
+        };
+        let (w0, w1) = w.call;
+        for at in [self.fp_at(self.me, step), self.current_at(self.me)] {
+            self.region.word(at + 8).store(w1, Ordering::Relaxed);
+            self.region.word(at).store(w0, Ordering::Release);
+        }
+        // Parts of at most INLINE bytes travel in the control line (one line per peer).
+        let at = |r: usize| {
+            if sizes(r) <= INLINE {
+                self.line(r, parity) + LINE_DATA
+            } else {
+                self.slot(parity, r)
+            }
+        };
+        let mine = sizes(self.me);
+        if mine > self.chunk {
+            return Err(Error::Aborted {
+                op: s.op,
+                rank: self.me,
+                reason: format!("internal: {mine} bytes do not fit the arena's slot"),
+            });
+        }
+        // SAFETY: our slot (or line data) of this parity is written only by us, between the
+        // barrier of the previous step and this one's (see above); it holds `chunk` bytes (line
+        // data INLINE), offsets are multiples of 8.
+        put(unsafe { self.region.view_mut::<u8>(at(self.me), mine) });
+        self.seq(self.me, parity)
+            .store(2 * step + 2, Ordering::Release);
+        let done = self
+            .barrier(parity, 2 * step + 2, &w)
+            .and_then(|()| self.check_calls(s.op, step, w0, w1))
+            .and_then(|()| {
+                (0..self.n).try_for_each(|r| {
+                    let len = sizes(r).min(self.chunk);
+                    // SAFETY: the other ranks' parts are only read between this barrier and
+                    // our arrival at the next step's, when nobody writes them.
+                    get(r, unsafe { self.region.view::<u8>(at(r), len) })
+                })
+            });
+        match &done {
+            Ok(()) => self.step.store(step + 1, Ordering::Release),
+            Err(e) => self.break_for(e),
+        }
+        done
+    }
+}
+
+/// A call running through [`Arena::exchange`].
+pub(crate) struct Exchange<'a> {
+    pub op: &'static str,
+    pub fp: &'a Fingerprint,
+    pub dtype: DType,
+    pub tag: u32,
+    pub timeout: Duration,
+    pub engine: &'a Engine,
 }
 
 /// Settings of the arena.

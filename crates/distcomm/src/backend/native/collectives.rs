@@ -70,9 +70,9 @@ pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> 
 }
 
 /// One collective call running on a group's native backend, with the call's deadline.
-struct Run<'a> {
-    b: &'a NativeBackend,
-    timeout: Duration,
+pub(super) struct Run<'a> {
+    pub(super) b: &'a NativeBackend,
+    pub(super) timeout: Duration,
 }
 
 impl Deref for Run<'_> {
@@ -83,7 +83,7 @@ impl Deref for Run<'_> {
 }
 
 impl Run<'_> {
-    fn invalid(&self, op: &'static str, detail: String) -> Error {
+    pub(super) fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument {
             op,
             rank: self.rank,
@@ -103,11 +103,33 @@ impl Run<'_> {
         if let Coll::AllReduce(buf, rop) = coll {
             return self.all_reduce_on(call, tag, typed_mut::<T>(op, buf)?, rop, turn);
         }
+        if let (Coll::Barrier, Some(arena)) = (&coll, &self.arena) {
+            if arena.usable() {
+                turn.wait(op, self.rank, self.timeout)?;
+                if arena.usable() {
+                    return self.through_arena::<T>(arena, call, tag, coll);
+                }
+            }
+        }
+        if let Some(arena) = &self.arena {
+            if let Some(bytes) = super::intranode::part_bytes::<T>(&coll, call, self.size()) {
+                if super::intranode::worth_it(&coll, bytes, arena) && arena.usable() {
+                    // Every rank enters the arena in issue order: wait until every earlier
+                    // collective of the group has started, and hold the turn until this one
+                    // ends.
+                    turn.wait(op, self.rank, self.timeout)?;
+                    if arena.usable() {
+                        return self.through_arena::<T>(arena, call, tag, coll);
+                    }
+                }
+            }
+        }
         // Only the arena's order matters to the native schedules: their messages match by
         // sequence number.
         drop(turn);
         match coll {
             Coll::AllReduce(..) => Ok(()),
+            Coll::Barrier => self.b.barrier(self.timeout),
             Coll::Broadcast(buf, root) => {
                 self.broadcast_on(call, tag, typed_mut::<T>(op, buf)?, root)
             }
@@ -562,7 +584,7 @@ impl Run<'_> {
 }
 
 /// The DEBUG event of a collective's algorithm (subsystem `coll`).
-fn chose(call: &Call, dtype: DType, rank: usize, n: usize, rounds: usize) {
+pub(super) fn chose(call: &Call, dtype: DType, rank: usize, n: usize, rounds: usize) {
     tracing::debug!(
         target: "distcomm::coll",
         rank,

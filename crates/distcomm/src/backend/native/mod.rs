@@ -15,6 +15,7 @@ pub(crate) mod arena;
 #[path = "arena_stub.rs"]
 pub(crate) mod arena;
 mod collectives;
+mod intranode;
 mod setup;
 
 pub(crate) use setup::Native;
@@ -153,6 +154,35 @@ impl NativeBackend {
         self.engine
             .cancel_collective(env, desync, lost, &self.members);
     }
+
+    /// Dissemination: ⌈log₂ n⌉ rounds of zero-byte messages.
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let mut dist = 1;
+        let mut round = 0u32;
+        while dist < n {
+            let to = (me + dist) % n;
+            let from = (me + n - dist) % n;
+            let env = Envelope {
+                op: "barrier",
+                dtype: DType::U8,
+                ctx: CTX_BARRIER,
+                tag: round,
+                // A collective's fingerprint: the send completes once written, with no
+                // acknowledgement to wait for (half the time of a round).
+                fp: Fingerprint::BARRIER,
+            };
+            let r: Work<Vec<u8>> =
+                self.post_recv(env, Box::new(Vec::<u8>::new()), from, timeout)?;
+            let s: Work<Vec<u8>> = self.post_send(env, Box::new(Vec::<u8>::new()), to, timeout)?;
+            r.wait()?;
+            s.wait()?;
+            dist *= 2;
+            round += 1;
+        }
+        Ok(())
+    }
 }
 
 impl Backend for NativeBackend {
@@ -204,36 +234,6 @@ impl Backend for NativeBackend {
     fn collective(&self, c: CollCall, coll: Coll<'_>) -> Result<()> {
         collectives::run(self, c, coll)
     }
-
-    /// Dissemination: ⌈log₂ n⌉ rounds of zero-byte messages.
-    fn barrier(&self, timeout: Duration) -> Result<()> {
-        let n = self.size();
-        let me = self.rank;
-        let mut dist = 1;
-        let mut round = 0u32;
-        while dist < n {
-            let to = (me + dist) % n;
-            let from = (me + n - dist) % n;
-            let env = Envelope {
-                op: "barrier",
-                dtype: DType::U8,
-                ctx: CTX_BARRIER,
-                tag: round,
-                // A collective's fingerprint: the send completes once written, with no
-                // acknowledgement to wait for (half the time of a round).
-                fp: Fingerprint::BARRIER,
-            };
-            let r: Work<Vec<u8>> =
-                self.post_recv(env, Box::new(Vec::<u8>::new()), from, timeout)?;
-            let s: Work<Vec<u8>> = self.post_send(env, Box::new(Vec::<u8>::new()), to, timeout)?;
-            r.wait()?;
-            s.wait()?;
-            dist *= 2;
-            round += 1;
-        }
-        Ok(())
-    }
-
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {
         let Some(me) = how.me else {
             return Ok(None);

@@ -1,0 +1,262 @@
+//! Intra-node paths of the collectives other than all_reduce: when the group has a shared
+//! arena and every rank's part fits one of its slots, the call is one step of
+//! [`Arena::exchange`] — each rank writes its part, one barrier, each reads what it needs — in
+//! the place of the schedules' messages (Open MPI's `coll/sm` in spirit).
+//!
+//! Reductions combine in rank order on every rank that needs the result (the same bits
+//! everywhere), 16-bit floats in `f32`, rounded once; averages divide at the end, as on the
+//! network path.
+//!
+//! Owns: what each op puts into the arena and takes out. Must not know: how the arena
+//! synchronises.
+
+use std::mem::size_of;
+
+use super::arena::{Arena, Exchange};
+use super::collectives::{chose, Run};
+use crate::backend::{typed, Coll};
+use crate::call::Call;
+use crate::commslog::count_sent;
+use crate::error::Result;
+use crate::reduce::{ReduceOp, Reducible};
+
+/// The largest part (bytes) any rank puts into the arena for `coll`, when it can go there:
+/// `None` for all_reduce (it has its own path) and uneven all_to_all (a rank cannot find its
+/// block in another's part without that rank's counts).
+pub(super) fn part_bytes<T: Reducible>(coll: &Coll<'_>, call: &Call, n: usize) -> Option<usize> {
+    let wide = if T::WIDENS {
+        size_of::<f32>() / size_of::<T>()
+    } else {
+        1
+    };
+    match coll {
+        Coll::AllReduce(..) | Coll::Barrier => None,
+        Coll::Broadcast(buf, _) => Some(buf.len()),
+        Coll::Reduce(buf, ..) => Some(buf.len() * wide),
+        Coll::AllGather(input, _) | Coll::Gather(input, ..) => Some(input.len()),
+        Coll::Scatter(_, out, _) => Some(out.len() * n),
+        Coll::ReduceScatter(input, ..) => Some(input.len() * wide),
+        Coll::AllToAll((input, _), _) => (call.count != 0).then_some(input.len()),
+    }
+}
+
+/// Parts up to this many bytes take the arena when ranks do not outnumber cores (reduce: up to
+/// [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the network schedules (shm links,
+/// one pair per point): world 2 at 1 MiB, broadcast 0.63x, gather 0.79x, scatter 0.14x,
+/// all_gather 0.52x, reduce_scatter 0.53x, all_to_all 0.88x the schedules' time; at 64 KiB
+/// 0.08x-0.57x.
+pub(super) const PART_MAX: usize = 1 << 20;
+/// Reduce through the arena up to this part: the root alone combines every part (1 MiB, world
+/// 2: 1.54x the binomial tree's time; 64 KiB: 0.12x).
+pub(super) const REDUCE_MAX: usize = 64 << 10;
+/// Parts up to this many bytes take the arena when ranks outnumber cores (world 4 on 2 cores at
+/// 1 MiB: gather 3.6x, all_gather 2.5x, all_to_all 4.1x the schedules' time, every rank waiting
+/// for the slowest to be scheduled; at 64 KiB 0.07x-0.60x).
+pub(super) const OVERSUBSCRIBED_MAX: usize = 64 << 10;
+
+/// Whether a part of `bytes` of `coll` takes the arena.
+pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
+    let max = match coll {
+        _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
+        Coll::Reduce(..) => REDUCE_MAX,
+        _ => PART_MAX,
+    };
+    bytes <= max.min(arena.slot_bytes())
+}
+
+impl Run<'_> {
+    /// Runs `coll` through the arena (its part fits: see [`part_bytes`]), in the call's turn.
+    pub(super) fn through_arena<T: Reducible>(
+        &self,
+        arena: &Arena,
+        call: &Call,
+        tag: u32,
+        coll: Coll<'_>,
+    ) -> Result<()> {
+        let (n, me) = (self.size(), self.rank);
+        chose(&call.algo("shared-memory arena"), T::DTYPE, me, n, 1);
+        let fp = call.fingerprint();
+        let s = Exchange {
+            op: call.kind.name(),
+            fp: &fp,
+            dtype: T::DTYPE,
+            tag,
+            timeout: self.timeout,
+            engine: &self.engine,
+        };
+        let copy = |dst: &mut [u8], src: &[u8]| dst.copy_from_slice(src);
+        match coll {
+            Coll::Broadcast(buf, root) => {
+                let len = buf.len();
+                let sizes = |r: usize| if r == root { len } else { 0 };
+                if me == root {
+                    count_sent(len);
+                    arena.exchange(&s, &sizes, &mut |part| copy(part, buf), &mut |_, _| Ok(()))
+                } else {
+                    let mut get = |r: usize, part: &[u8]| {
+                        if r == root {
+                            copy(buf, part);
+                        }
+                        Ok(())
+                    };
+                    arena.exchange(&s, &sizes, &mut |_| {}, &mut get)
+                }
+            }
+            Coll::AllGather(input, out) | Coll::Gather(input, Some(out), _) => {
+                let k = input.len();
+                count_sent(k);
+                let mut get = |r: usize, part: &[u8]| {
+                    if r != me {
+                        copy(&mut out[r * k..(r + 1) * k], part);
+                    }
+                    Ok(())
+                };
+                arena.exchange(&s, &|_| k, &mut |part| copy(part, input), &mut get)
+            }
+            Coll::Gather(input, None, _) => {
+                count_sent(input.len());
+                let mut put = |part: &mut [u8]| copy(part, input);
+                arena.exchange(&s, &|_| input.len(), &mut put, &mut |_, _| Ok(()))
+            }
+            Coll::Scatter(input, out, root) => {
+                let k = out.len();
+                let sizes = |r: usize| if r == root { n * k } else { 0 };
+                let mut get = |r: usize, part: &[u8]| {
+                    if r == root && me != root {
+                        copy(out, &part[me * k..(me + 1) * k]);
+                    }
+                    Ok(())
+                };
+                let mut put = |part: &mut [u8]| {
+                    if let Some(input) = input {
+                        count_sent(input.len());
+                        copy(part, input);
+                    }
+                };
+                arena.exchange(&s, &sizes, &mut put, &mut get)
+            }
+            Coll::AllToAll((input, _), (out, _)) => {
+                let k = input.len() / n.max(1);
+                count_sent(input.len());
+                let mut get = |r: usize, part: &[u8]| {
+                    if r != me {
+                        copy(&mut out[r * k..(r + 1) * k], &part[me * k..(me + 1) * k]);
+                    }
+                    Ok(())
+                };
+                arena.exchange(&s, &|_| input.len(), &mut |p| copy(p, input), &mut get)
+            }
+            Coll::Reduce(buf, root, op) => {
+                let buf = crate::backend::typed_mut::<T>(s.op, buf)?;
+                let whole = 0..buf.len();
+                self.reduced(arena, &s, me == root, whole, op, buf)
+            }
+            Coll::ReduceScatter(input, out, op) => {
+                let out = crate::backend::typed_mut::<T>(s.op, out)?;
+                let input = typed::<T>(s.op, input)?;
+                let k = out.len();
+                // The reduction reads every rank's whole input, and writes this rank's block.
+                self.reduce_block(arena, &s, input, me * k..(me + 1) * k, op, Some(out))
+            }
+            Coll::Barrier => arena.exchange(&s, &|_| 0, &mut |_| {}, &mut |_, _| Ok(())),
+            Coll::AllReduce(..) => Ok(()),
+        }
+    }
+
+    /// Reduce: every rank puts `buf`; the root (`reader`) reduces all of `block` into it.
+    fn reduced<T: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        reader: bool,
+        block: std::ops::Range<usize>,
+        op: ReduceOp,
+        buf: &mut [T],
+    ) -> Result<()> {
+        // The input is put before the root's result overwrites it.
+        let mut input = self.pool.take::<T>();
+        input.extend_from_slice(buf);
+        let out = reader.then_some(&mut *buf);
+        let r = self.reduce_block(arena, s, &input, block, op, out);
+        self.pool.give(input);
+        r
+    }
+
+    /// Every rank puts `input`; where `out` is given, the elements `block` of every rank's
+    /// input are reduced into it (in rank order, 16-bit floats in `f32`, averages divided).
+    fn reduce_block<T: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        input: &[T],
+        block: std::ops::Range<usize>,
+        op: ReduceOp,
+        out: Option<&mut [T]>,
+    ) -> Result<()> {
+        let n = self.size();
+        if T::WIDENS {
+            let mut wide = self.pool.take_len::<f32>(input.len());
+            T::widen_into(input, &mut wide);
+            let mut acc = self.pool.take_len::<f32>(block.len());
+            let reading = out.is_some();
+            let r = self.exchange_reduce(arena, s, &wide, &block, op, reading, &mut acc);
+            if let (Ok(()), Some(out)) = (&r, out) {
+                if op == ReduceOp::Avg {
+                    f32::finish_avg(&mut acc, n);
+                }
+                T::narrow(out, &acc);
+            }
+            self.pool.give(wide);
+            self.pool.give(acc);
+            return r;
+        }
+        let reading = out.is_some();
+        let mut acc = self
+            .pool
+            .take_len::<T>(if reading { block.len() } else { 0 });
+        let r = self.exchange_reduce(arena, s, input, &block, op, reading, &mut acc);
+        if let (Ok(()), Some(out)) = (&r, out) {
+            if op == ReduceOp::Avg {
+                T::finish_avg(&mut acc, n);
+            }
+            out.copy_from_slice(&acc);
+        }
+        self.pool.give(acc);
+        r
+    }
+
+    /// The exchange of a reduction: puts `input`, and when `reading`, reduces `block` of every
+    /// rank's part into `acc` in rank order.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_reduce<A: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        input: &[A],
+        block: &std::ops::Range<usize>,
+        op: ReduceOp,
+        reading: bool,
+        acc: &mut [A],
+    ) -> Result<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(input);
+        count_sent(bytes.len());
+        let mut get = |r: usize, part: &[u8]| {
+            if !reading {
+                return Ok(());
+            }
+            let theirs = &typed::<A>(s.op, part)?[block.clone()];
+            if r == 0 {
+                acc.copy_from_slice(theirs);
+            } else {
+                A::reduce_into(acc, theirs, op);
+            }
+            Ok(())
+        };
+        arena.exchange(
+            s,
+            &|_| bytes.len(),
+            &mut |p| p.copy_from_slice(bytes),
+            &mut get,
+        )
+    }
+}

@@ -109,7 +109,7 @@ pub enum NackReason {
 }
 
 /// The fingerprint vocabulary is the call module's: the frame carries it opaquely.
-pub use crate::call::{Fingerprint, KIND_NAMES, OP_NAMES};
+pub use crate::call::Fingerprint;
 
 /// A decoded header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,15 +1,16 @@
 //! Transports: how bytes move between two ranks. They know nothing of collectives or of the API
 //! above them.
 //!
-//! * [`frame`]: the bounded wire header shared by the native transports;
+//! * `frame`: the bounded wire header shared by the native transports (wire internals, not
+//!   public API: the fuzz targets reach it through `distcomm::__fuzz`, feature `fuzzing`);
 //! * `tcp`: the mesh and its progress engine, over sockets or shared-memory links;
 //! * `shm` (Linux): shared-memory links between ranks on one host, chosen automatically
 //!   ([`TransportKind`]);
 //! * `connect_mesh`: establishing the mesh through the rendezvous store, with the versioned,
-//!   authenticated [`handshake`] checked before any user buffer is touched.
+//!   authenticated `handshake` checked before any user buffer is touched.
 
-pub mod frame;
-pub mod handshake;
+pub(crate) mod frame;
+pub(crate) mod handshake;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;
@@ -96,6 +97,8 @@ use crate::rendezvous::Store;
 use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
 
 pub use crate::config::TransportKind;
+/// Largest message a shared-memory peer's lane carries (blocking sends up to it take the lane).
+pub use frame::LANE_MAX;
 
 /// What carries the bytes towards one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -102,9 +102,10 @@ pub enum NackReason {
     TooLarge = 1,
     /// The posted receive expects another element type; `dtype` carries it.
     DType = 2,
-    /// The posted receive belongs to another collective call; `fp` carries it.
-    Desync = 3,
-    /// The message belongs to a collective the receiver has cancelled.
+    /// The posted receive carries another check word, or is scheduled and expects another size
+    /// or element type; `fp`, `len` and `dtype` carry what it expected.
+    Mismatch = 3,
+    /// The message's key (context, tag) was cancelled at the receiver.
     Cancelled = 4,
 }
 

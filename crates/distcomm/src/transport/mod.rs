@@ -11,6 +11,7 @@
 
 pub(crate) mod frame;
 pub(crate) mod handshake;
+pub(crate) mod protocol;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;

@@ -13,12 +13,12 @@
 //!
 //! Towards a shared-memory peer a large message announces its buffer's address instead (`Rget`)
 //! and the receiver copies it across processes (`process_vm_readv`) and answers Ack; from
-//! [`SPLIT_MIN`] bytes on it first asks the sender to write the head itself (`Rput`, answered by
+//! `choice::SPLIT_MIN` bytes on it first asks the sender to write the head itself (`Rput`, answered by
 //! `Put`) while it reads the tail, so both processes copy at once. A buffer whose address went
 //! to a peer outlives everything here (abort, shutdown) until that peer answers or dies. Where
 //! the kernel refuses, the receiver answers Cts and the message streams as above.
 //!
-//! Towards a shared-memory peer, messages of up to [`LANE_MAX`] bytes take its *lane* instead
+//! Towards a shared-memory peer, messages of up to `LANE_MAX` bytes take its *lane* instead
 //! when the ordering rules allow (see `shm`): slots polled on the line the message arrives in,
 //! answered in an answer word rather than an Ack frame (a refusal also sends the Nack frame).
 //! Blocking sends and receives use it without a handle (`Engine::send_small`,
@@ -52,8 +52,13 @@ use std::time::{Duration, Instant};
 
 use super::frame::{
     Fingerprint, Header, Kind, NackReason, EAGER_NO_ACK, HEADER_LEN, LANE, LANE_ACKS, LANE_HEAD,
-    LANE_MAX, RGET_PAYLOAD,
+    RGET_PAYLOAD,
 };
+use super::protocol::cancel::Cancelled;
+use super::protocol::choice::{self, Limits, Wire};
+use super::protocol::matching::{self, Key, Matcher};
+use super::protocol::reassembly::{Chunk, Reassembly};
+use super::protocol::refusal::{self, Expect, Sent};
 #[cfg(target_os = "linux")]
 use super::shm;
 use super::{LaneMsg, LinkKind, ShmLink, ShmWatch};
@@ -86,6 +91,16 @@ impl Envelope {
             msg_id,
             len: len as u64,
             fp: self.fp,
+        }
+    }
+
+    /// What a receive of `cap` bytes with this envelope expects.
+    fn expect(&self, cap: u64) -> Expect {
+        Expect {
+            op: self.op,
+            dtype: self.dtype,
+            check: self.fp,
+            cap,
         }
     }
 
@@ -234,16 +249,29 @@ struct Posted {
     cell: Arc<OpCell>,
 }
 
+impl matching::Receive for Posted {
+    #[inline]
+    fn source(&self) -> Option<usize> {
+        self.src
+    }
+    #[inline]
+    fn key(&self) -> Key {
+        (self.ctx, self.tag)
+    }
+}
+
+impl matching::Message for Unexpected {
+    #[inline]
+    fn source(&self) -> usize {
+        self.src
+    }
+    #[inline]
+    fn key(&self) -> Key {
+        (self.hdr.ctx, self.hdr.tag)
+    }
+}
+
 impl Posted {
-    fn matches(&self, src: usize, h: &Header) -> bool {
-        self.could_take(src, h.ctx, h.tag)
-    }
-
-    /// Whether a message with (`ctx`, `tag`) from `src` could match it.
-    fn could_take(&self, src: usize, ctx: u32, tag: u32) -> bool {
-        self.ctx == ctx && self.tag == tag && self.src.is_none_or(|s| s == src)
-    }
-
     fn refusal(&self, reason: NackReason) -> Refusal {
         Refusal {
             reason,
@@ -327,10 +355,21 @@ struct PendingSend {
 }
 
 impl PendingSend {
-    /// Whether an eager send of it waits for the receiver's Ack: point-to-point sends do;
-    /// collectives' are done once written ([`EAGER_NO_ACK`]).
+    /// Whether an eager send of it waits for the receiver's Ack: unscheduled sends do;
+    /// scheduled ones (a check word: see `refusal`) are done once written ([`EAGER_NO_ACK`]).
     fn waits_for_ack(&self) -> bool {
-        self.fp.is_point_to_point()
+        !refusal::scheduled(self.fp)
+    }
+
+    /// What it was, for the error of a refusal.
+    fn sent(&self) -> Sent {
+        Sent {
+            op: self.op,
+            dtype: self.dtype,
+            check: self.fp,
+            tag: self.tag,
+            len: self.len,
+        }
     }
 
     fn status(&self, peer: usize) -> Status {
@@ -505,11 +544,6 @@ struct Lent {
     own_failed: bool,
 }
 
-/// Messages at least this large are copied by both sides at once (Rput). Measured (2 ranks,
-/// ping-pong): from 96 KiB to 1 MiB splitting took 0.55–0.63 of the time of one process
-/// copying; at the smallest direct size (16–24 KiB) it still wins.
-const SPLIT_MIN: usize = 16 << 10;
-
 /// Why a collective was cancelled.
 #[derive(Clone, Copy)]
 struct Cancel {
@@ -565,26 +599,21 @@ impl Cancel {
 
 struct State {
     rank: usize,
-    eager_max: usize,
-    /// Largest eager message towards a shared-memory peer that allows direct copies.
-    shm_eager_max: usize,
+    /// Eager limits (towards any peer, towards shared-memory peers with direct copies).
+    limits: Limits,
     peers: Vec<Option<Peer>>,
-    posted: VecDeque<Posted>,
-    unexpected: VecDeque<Unexpected>,
+    /// Posted receives and unexpected messages.
+    matcher: Matcher<Posted, Unexpected>,
     sends: HashMap<u64, PendingSend, BuildHasherDefault<IdHash>>,
-    /// Large receives that answered Cts and wait for Data, by (source, msg_id), with the size
-    /// the sender announced.
-    /// Receives cleared to send, by (peer, message): the receive, the message's length, and
-    /// how much of it has arrived (it comes in chunks of at most [`DATA_CHUNK`]).
-    rdv: HashMap<(usize, u64), (Posted, u64, u64)>,
+    /// Receives cleared to send, waiting for their message's Data chunks.
+    rdv: Reassembly<Posted>,
     /// Receives whose buffer a peer is writing into, by (source, msg_id).
     lent: HashMap<(usize, u64), Lent>,
     next_id: u64,
     closed: Option<String>,
-    /// Collectives (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so
-    /// every later operation of it fails with an error that describes its own call. Grows by
-    /// one entry per failed collective.
-    cancelled: HashMap<(u32, u32), Cancel>,
+    /// Keys (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so every
+    /// later operation of it fails with an error that describes its own call.
+    cancelled: Cancelled<Cancel>,
 }
 
 /// Hasher of our own message ids (sequential integers, never chosen by a peer): one
@@ -707,68 +736,19 @@ impl State {
     ) -> std::result::Result<(), (Error, NackReason)> {
         let cap = r.buf.bytes().len() as u64;
         // A buffer sized by what arrives (pipeline tensors, byte objects) takes its length now.
-        let fitted = r.fp.is_point_to_point()
+        let fitted = !refusal::scheduled(r.fp)
             && h.len != cap
             && r.fp == h.fp
             && (r.dtype == DType::Bytes || r.dtype == h.dtype)
             && usize::try_from(h.len).is_ok_and(|n| r.buf.fit(n));
         let cap = if fitted { h.len } else { cap };
-        self.check_receive(r.op, r.dtype, r.fp, cap, src, h)
-    }
-
-    /// Checks a receive (`op` of `cap` bytes of `dtype`, collective call `fp`) against a
-    /// message header: the refusal's error here and the reason the sender is told.
-    fn check_receive(
-        &self,
-        op: &'static str,
-        dtype: DType,
-        fp: Fingerprint,
-        cap: u64,
-        src: usize,
-        h: &Header,
-    ) -> std::result::Result<(), (Error, NackReason)> {
-        // Collective messages must fit their receive exactly: both sides run the same schedule.
-        if fp != h.fp || (!fp.is_point_to_point() && (h.len != cap || h.dtype != dtype)) {
-            return Err((
-                Error::Desync {
-                    op,
-                    rank: self.rank,
-                    peer: src,
-                    ours: format!("{} (expecting {cap} bytes)", fp.describe(dtype)),
-                    theirs: format!("{} (sending {} bytes)", h.fp.describe(h.dtype), h.len),
-                },
-                NackReason::Desync,
-            ));
-        }
-        if dtype != DType::Bytes && dtype != h.dtype {
-            return Err((
-                Error::DTypeMismatch {
-                    op,
-                    rank: self.rank,
-                    src,
-                    dst: self.rank,
-                    tag: h.tag,
-                    sent: h.dtype,
-                    expected: dtype,
-                },
-                NackReason::DType,
-            ));
-        }
-        if h.len > cap {
-            return Err((
-                Error::MessageTooLarge {
-                    op,
-                    rank: self.rank,
-                    src,
-                    dst: self.rank,
-                    tag: h.tag,
-                    sent: h.len,
-                    capacity: cap,
-                },
-                NackReason::TooLarge,
-            ));
-        }
-        Ok(())
+        let want = Expect {
+            op: r.op,
+            dtype: r.dtype,
+            check: r.fp,
+            cap,
+        };
+        refusal::check(self.rank, want, src, h)
     }
 
     /// Answers the sender of an eager message or Rts: Ack/Cts on success, Nack on refusal.
@@ -823,9 +803,8 @@ impl State {
         h: &Header,
         data: Vec<u8>,
     ) -> Option<(Posted, Vec<u8>)> {
-        let pos = self.posted.iter().position(|r| r.matches(src, h));
-        let Some(mut r) = pos.and_then(|i| self.posted.remove(i)) else {
-            self.unexpected.push_back(Unexpected {
+        let Some(mut r) = self.matcher.take_posted(src, (h.ctx, h.tag)) else {
+            self.matcher.push_unexpected(Unexpected {
                 src,
                 hdr: *h,
                 data: Some(data),
@@ -860,7 +839,7 @@ impl State {
     }
 
     /// Copies a matched Rget message straight from the sender's memory and acknowledges it;
-    /// a message of at least [`SPLIT_MIN`] bytes into memory we own is copied by both sides at
+    /// a message of at least `choice::SPLIT_MIN` bytes into memory we own is copied by both sides at
     /// once (we ask the sender to write the head with an Rput while we read the tail). Where
     /// the kernel refuses, has it streamed instead (Cts), and stops trying on that link.
     fn fetch(&mut self, src: usize, h: Header, mut r: Posted, addr: &[u8]) {
@@ -872,11 +851,7 @@ impl State {
         #[cfg(target_os = "linux")]
         if let Some(pid) = pid {
             let n = h.len as usize;
-            let split = if n >= SPLIT_MIN && !r.buf.is_view() {
-                (n / 2) & !63
-            } else {
-                0
-            };
+            let split = choice::split(n, !r.buf.is_view());
             if split > 0 {
                 let ours = r.buf.bytes().as_ptr() as u64;
                 self.push_out(
@@ -930,7 +905,7 @@ impl State {
         let cts = control(Kind::Cts, h.msg_id, 0, 0, h.dtype, Fingerprint::NONE);
         self.reply(src, cts);
         r.cell.kick();
-        self.rdv.insert((src, h.msg_id), (r, h.len, 0));
+        self.rdv.expect(src, h.msg_id, r, h.len);
     }
 
     /// Sender side of an Rput: write the head of message `h.msg_id` into the receiver's buffer
@@ -1009,12 +984,8 @@ impl State {
 
     /// Matches a newly posted receive against the unexpected queue, or queues it.
     fn post_recv(&mut self, mut r: Posted) {
-        let pos = self
-            .unexpected
-            .iter()
-            .position(|u| r.matches(u.src, &u.hdr));
-        let Some(u) = pos.and_then(|i| self.unexpected.remove(i)) else {
-            if let Some(c) = self.cancelled.get(&(r.ctx, r.tag)) {
+        let Some(u) = self.matcher.take_unexpected(r.src, (r.ctx, r.tag)) else {
+            if let Some(c) = self.cancelled.get((r.ctx, r.tag)) {
                 let e = c.error(self.rank, r.op, r.fp, r.dtype);
                 r.cell.complete(Err(e), None);
                 return;
@@ -1035,7 +1006,7 @@ impl State {
                 r.cell.complete(Err(e), None);
                 return;
             }
-            self.posted.push_back(r);
+            self.matcher.push_posted(r);
             return;
         };
         if let Err((e, reason)) = self.check(&mut r, u.src, &u.hdr) {
@@ -1052,7 +1023,7 @@ impl State {
             }
             None => {
                 self.answer(u.src, &u.hdr, None);
-                self.rdv.insert((u.src, u.hdr.msg_id), (r, u.hdr.len, 0));
+                self.rdv.expect(u.src, u.hdr.msg_id, r, u.hdr.len);
             }
         }
     }
@@ -1065,8 +1036,7 @@ impl State {
     /// receive state that follows it.
     fn on_header(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
         if matches!(h.kind, Kind::Eager | Kind::Rts | Kind::Rget)
-            && !self.cancelled.is_empty()
-            && self.cancelled.contains_key(&(h.ctx, h.tag))
+            && self.cancelled.contains((h.ctx, h.tag))
         {
             self.refuse_cancelled(p, &h);
             return Ok(match h.kind {
@@ -1081,8 +1051,7 @@ impl State {
         }
         match h.kind {
             Kind::Eager => {
-                let pos = self.posted.iter().position(|r| r.matches(p, &h));
-                let target = match pos.and_then(|i| self.posted.remove(i)) {
+                let target = match self.matcher.take_posted(p, (h.ctx, h.tag)) {
                     None => Target::Temp(vec![0u8; h.len as usize]),
                     Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => Target::Recv(r),
@@ -1101,9 +1070,8 @@ impl State {
                 })
             }
             Kind::Rts => {
-                let pos = self.posted.iter().position(|r| r.matches(p, &h));
-                match pos.and_then(|i| self.posted.remove(i)) {
-                    None => self.unexpected.push_back(Unexpected {
+                match self.matcher.take_posted(p, (h.ctx, h.tag)) {
+                    None => self.matcher.push_unexpected(Unexpected {
                         src: p,
                         hdr: h,
                         data: None,
@@ -1112,7 +1080,7 @@ impl State {
                         Ok(()) => {
                             self.answer(p, &h, None);
                             r.cell.kick();
-                            self.rdv.insert((p, h.msg_id), (r, h.len, 0));
+                            self.rdv.expect(p, h.msg_id, r, h.len);
                         }
                         Err((e, reason)) => {
                             self.answer(p, &h, Some(r.refusal(reason)));
@@ -1132,20 +1100,14 @@ impl State {
                 self.on_put(p, h)?;
                 Ok(Rx::Header)
             }
-            Kind::Data => match self.rdv.remove(&(p, h.msg_id)) {
-                Some((r, announced, done)) if h.len > 0 && done + h.len <= announced => {
-                    Ok(Rx::Payload {
-                        hdr: Header { tag: r.tag, ..h },
-                        target: Target::Recv(r),
-                        got: 0,
-                        chunk: Some((done as usize, announced)),
-                    })
-                }
-                Some((r, announced, done)) => {
-                    let detail = format!(
-                        "{} bytes of data after {done} of the {announced} announced",
-                        h.len
-                    );
+            Kind::Data => match self.rdv.chunk(p, h.msg_id, h.len) {
+                Chunk::Into { r, base, whole } => Ok(Rx::Payload {
+                    hdr: Header { tag: r.tag, ..h },
+                    target: Target::Recv(r),
+                    got: 0,
+                    chunk: Some((base, whole)),
+                }),
+                Chunk::Overflow { r, detail } => {
                     r.cell.complete(
                         Err(Error::Protocol {
                             rank: self.rank,
@@ -1156,7 +1118,7 @@ impl State {
                     );
                     self.protocol(detail)
                 }
-                None => self.protocol(format!("data for unknown message {}", h.msg_id)),
+                Chunk::Unknown => self.protocol(format!("data for unknown message {}", h.msg_id)),
             },
             Kind::Cts => {
                 let Some(s) = self.sends.get_mut(&h.msg_id).filter(|s| s.dst == p) else {
@@ -1188,40 +1150,8 @@ impl State {
                 };
                 let result = if h.kind == Kind::Ack {
                     Ok(s.status(p))
-                } else if h.aux == NackReason::Cancelled as u32 {
-                    Err(Error::Aborted {
-                        op: s.op,
-                        rank: self.rank,
-                        reason: format!("rank {p} had already cancelled this collective"),
-                    })
-                } else if h.aux == NackReason::Desync as u32 {
-                    Err(Error::Desync {
-                        op: s.op,
-                        rank: self.rank,
-                        peer: p,
-                        ours: format!("{} (sending {} bytes)", s.fp.describe(s.dtype), s.len),
-                        theirs: format!("{} (expecting {} bytes)", h.fp.describe(h.dtype), h.len),
-                    })
-                } else if h.aux == NackReason::DType as u32 {
-                    Err(Error::DTypeMismatch {
-                        op: s.op,
-                        rank: self.rank,
-                        src: self.rank,
-                        dst: p,
-                        tag: s.tag,
-                        sent: s.dtype,
-                        expected: h.dtype,
-                    })
                 } else {
-                    Err(Error::MessageTooLarge {
-                        op: s.op,
-                        rank: self.rank,
-                        src: self.rank,
-                        dst: p,
-                        tag: s.tag,
-                        sent: s.len as u64,
-                        capacity: h.len,
-                    })
+                    Err(refusal::refused(self.rank, s.sent(), p, &h))
                 };
                 let buf = if result.is_ok() { s.buf } else { None };
                 s.cell.complete(result, buf);
@@ -1239,7 +1169,7 @@ impl State {
             return None;
         };
         let link = peer.link.shm.as_ref()?;
-        if peer.dead.is_some() || !peer.out.is_empty() || data.len() > LANE_MAX {
+        if peer.dead.is_some() || !peer.out.is_empty() || !choice::lane_fits(data.len()) {
             return None;
         }
         // The answer word this message would use is free, or not needed.
@@ -1322,7 +1252,7 @@ impl State {
         let mut data = vec![0u8; m.len];
         self.lane_copy(p, m, &mut data);
         self.lane_release(p, m, false);
-        if !self.cancelled.is_empty() && self.cancelled.contains_key(&(h.ctx, h.tag)) {
+        if self.cancelled.contains((h.ctx, h.tag)) {
             self.refuse_cancelled(p, &h);
         } else {
             self.deliver_eager(p, h, data);
@@ -1395,11 +1325,8 @@ impl State {
         let (ctx, tag) = (env.ctx, env.tag);
         if !idle
             || self.closed.is_some()
-            || self.posted.iter().any(|r| r.could_take(p, ctx, tag))
-            || self
-                .unexpected
-                .iter()
-                .any(|u| u.src == p && u.hdr.ctx == ctx && u.hdr.tag == tag)
+            || self.matcher.posted_could_take(p, (ctx, tag))
+            || self.matcher.unexpected_from(p, (ctx, tag))
         {
             return LaneRecv::Declined;
         }
@@ -1417,31 +1344,29 @@ impl State {
                 continue;
             }
             let cap = out.len() as u64;
-            return LaneRecv::Got(
-                match self.check_receive(env.op, env.dtype, env.fp, cap, p, &h) {
-                    Ok(()) => {
-                        self.lane_copy(p, m, &mut out[..m.len]);
-                        // Accepted: the answer word goes with the slots' release.
-                        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
-                        Ok(Status {
-                            peer: p,
-                            tag,
-                            bytes: m.len,
-                        })
-                    }
-                    Err((e, reason)) => {
-                        self.lane_release(p, m, false);
-                        let refusal = Refusal {
-                            reason,
-                            cap,
-                            dtype: env.dtype,
-                            fp: env.fp,
-                        };
-                        self.answer(p, &h, Some(refusal));
-                        Err(e)
-                    }
-                },
-            );
+            return LaneRecv::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
+                Ok(()) => {
+                    self.lane_copy(p, m, &mut out[..m.len]);
+                    // Accepted: the answer word goes with the slots' release.
+                    self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+                    Ok(Status {
+                        peer: p,
+                        tag,
+                        bytes: m.len,
+                    })
+                }
+                Err((e, reason)) => {
+                    self.lane_release(p, m, false);
+                    let refusal = Refusal {
+                        reason,
+                        cap,
+                        dtype: env.dtype,
+                        fp: env.fp,
+                    };
+                    self.answer(p, &h, Some(refusal));
+                    Err(e)
+                }
+            });
         }
     }
 
@@ -1520,10 +1445,7 @@ impl State {
             desync: h.aux & 1 == 1,
             lost,
         };
-        let (hit, kept): (VecDeque<Posted>, VecDeque<Posted>) =
-            self.posted.drain(..).partition(|r| (r.ctx, r.tag) == key);
-        self.posted = kept;
-        for r in hit {
+        for r in self.matcher.withdraw_posted(|r| (r.ctx, r.tag) == key) {
             r.cell
                 .complete(Err(cancel.error(rank, r.op, r.fp, r.dtype)), None);
         }
@@ -1534,24 +1456,19 @@ impl State {
                 .complete(Err(cancel.error(rank, s.op, s.fp, s.dtype)), None);
         }
         // Messages of it already here will never be received: refuse them.
-        let (dropped, kept): (VecDeque<Unexpected>, VecDeque<Unexpected>) = self
-            .unexpected
-            .drain(..)
-            .partition(|u| (u.hdr.ctx, u.hdr.tag) == key);
-        self.unexpected = kept;
+        let dropped = self
+            .matcher
+            .withdraw_unexpected(|u| (u.hdr.ctx, u.hdr.tag) == key);
         for u in dropped {
             self.refuse_cancelled(u.src, &u.hdr);
         }
-        self.cancelled.entry(key).or_insert(cancel);
+        self.cancelled.cancel(key, cancel);
     }
 
     /// A chunk of a cleared message arrived: wait for the next, or complete the receive.
     fn on_chunk_done(&mut self, p: usize, h: Header, target: Target, (base, whole): (usize, u64)) {
         let Target::Recv(r) = target else { return };
-        let end = (base as u64) + h.len;
-        if end < whole {
-            self.rdv.insert((p, h.msg_id), (r, whole, end));
-        } else {
+        if let Some(r) = self.rdv.chunk_done(p, h.msg_id, r, (base, h.len, whole)) {
             complete_recv(r, p, &Header { len: whole, ..h });
         }
     }
@@ -1590,7 +1507,7 @@ impl State {
                         let mut raw = [0u8; HEADER_LEN];
                         raw.copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + HEADER_LEN]);
                         peer.rx_start += HEADER_LEN;
-                        let h = Header::decode(&raw, self.eager_max as u64)
+                        let h = Header::decode(&raw, self.limits.eager_max as u64)
                             .map_err(|e| format!("protocol violation: {}", e.0))?;
                         let next = self.on_header(p, h)?;
                         if let Some(Some(peer)) = self.peers.get_mut(p) {
@@ -1812,19 +1729,13 @@ impl State {
             r.cell
                 .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
         }
-        let (lost, kept): (VecDeque<Posted>, VecDeque<Posted>) =
-            self.posted.drain(..).partition(|r| r.src == Some(p));
-        self.posted = kept;
-        for r in lost {
+        for r in self.matcher.withdraw_posted(|r| r.src == Some(p)) {
             r.cell
                 .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
         }
-        let keys: Vec<_> = self.rdv.keys().filter(|k| k.0 == p).copied().collect();
-        for k in keys {
-            if let Some((r, _, _)) = self.rdv.remove(&k) {
-                r.cell
-                    .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
-            }
+        for r in self.rdv.withdraw_source(p) {
+            r.cell
+                .complete(Err(peer_lost(r.op, rank, p, &reason)), None);
         }
         // A dead peer writes no more: its lent buffers are free again.
         let keys: Vec<_> = self.lent.keys().filter(|k| k.0 == p).copied().collect();
@@ -1847,8 +1758,8 @@ impl State {
             }
         }
         // Announced large messages can no longer be fetched; eager ones arrived whole.
-        self.unexpected
-            .retain(|u| !(u.src == p && u.hdr.kind != Kind::Eager));
+        self.matcher
+            .withdraw_unexpected(|u| u.src == p && u.hdr.kind != Kind::Eager);
     }
 
     fn reclaim(&mut self, ids: &[u64]) {
@@ -1861,13 +1772,10 @@ impl State {
         };
         let owned = |b: &BoxBuf| -> BoxBuf { Box::new(b.bytes().to_vec()) };
         let scratch = |b: &BoxBuf| -> BoxBuf { Box::new(vec![0u8; b.bytes().len()]) };
-        let (gone, kept): (VecDeque<Posted>, VecDeque<Posted>) =
-            self.posted.drain(..).partition(|r| hit(r.id));
-        self.posted = kept;
-        for r in gone {
+        for r in self.matcher.withdraw_posted(|r| hit(r.id)) {
             r.cell.complete(Err(withdrawn(r.op)), None);
         }
-        for (r, _, _) in self.rdv.values_mut().filter(|(r, _, _)| hit(r.id)) {
+        for r in self.rdv.receives_mut().filter(|r| hit(r.id)) {
             r.buf = scratch(&r.buf);
             r.cell.complete(Err(withdrawn(r.op)), None);
         }
@@ -2047,10 +1955,10 @@ impl State {
             rank,
             reason: reason.to_string(),
         };
-        for r in self.posted.drain(..) {
+        for r in self.matcher.drain_posted() {
             r.cell.complete(Err(aborted(r.op)), None);
         }
-        for (_, (r, _, _)) in self.rdv.drain() {
+        for r in self.rdv.drain() {
             r.cell.complete(Err(aborted(r.op)), None);
         }
         // Sends whose buffer a peer may be reading stay until it answers; the rest go.
@@ -2254,17 +2162,18 @@ impl Engine {
             rank,
             st: Mutex::new(State {
                 rank,
-                eager_max: cfg.eager_max,
-                shm_eager_max: cfg.shm_eager_max,
+                limits: Limits {
+                    eager_max: cfg.eager_max,
+                    shm_eager_max: cfg.shm_eager_max,
+                },
                 peers,
-                posted: VecDeque::new(),
-                unexpected: VecDeque::new(),
+                matcher: Matcher::default(),
                 sends: HashMap::default(),
-                rdv: HashMap::new(),
+                rdv: Reassembly::default(),
                 lent: HashMap::new(),
                 next_id: 0,
                 closed: None,
-                cancelled: HashMap::new(),
+                cancelled: Cancelled::default(),
             }),
             watch,
             wake_tx,
@@ -2319,7 +2228,7 @@ impl Engine {
             return (id, cell);
         }
         // A small message to a shared-memory peer goes through its lane when it may.
-        if len <= LANE_MAX {
+        if choice::lane_fits(len) {
             let waits = pending.waits_for_ack();
             let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
             if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
@@ -2335,17 +2244,12 @@ impl Engine {
         // A large message to a shared-memory peer is fetched by the receiver straight from our
         // buffer (never from a view of the caller's memory: the engine cannot stop a copy
         // under way in another process if the caller takes that memory back).
-        let cma = !buf.is_view()
+        let fetchable = !buf.is_view()
             && matches!(st.peers.get(dst), Some(Some(p)) if p.link.cma_pid().is_some());
         // Such a copy (by both sides at once) beats two copies through the ring from
         // `shm_eager_max` bytes on.
-        let eager = if cma {
-            st.shm_eager_max.min(st.eager_max)
-        } else {
-            st.eager_max
-        };
-        let direct = cma && len > eager;
-        let out = if len <= eager {
+        let wire = st.limits.wire(len, fetchable);
+        let out = if wire == Wire::Eager {
             let aux = if pending.waits_for_ack() {
                 0
             } else {
@@ -2359,7 +2263,7 @@ impl Engine {
                 plen: len,
                 send_id: Some(id),
             }
-        } else if direct {
+        } else if wire == Wire::Fetch {
             let addr = buf.bytes().as_ptr() as u64;
             pending.buf = Some(buf);
             pending.lent = true;
@@ -2466,13 +2370,16 @@ impl Engine {
         } = env;
         let mut st = self.sh.lock();
         let by = self.sh.rank;
-        st.cancelled.entry((ctx, tag)).or_insert(Cancel {
-            by,
-            fp,
-            dtype,
-            desync,
-            lost,
-        });
+        st.cancelled.cancel(
+            (ctx, tag),
+            Cancel {
+                by,
+                fp,
+                dtype,
+                desync,
+                lost,
+            },
+        );
         let hdr = Header {
             kind: Kind::Cancel,
             dtype,
@@ -2525,7 +2432,7 @@ impl Engine {
 
     /// Largest message sent without the receiver-ready handshake.
     pub(crate) fn eager_max(&self) -> usize {
-        self.sh.lock().eager_max
+        self.sh.lock().limits.eager_max
     }
 
     /// What carries messages to global rank `peer`.
@@ -2542,7 +2449,7 @@ impl Engine {
         self.sh.lock().dead_reason(peer)
     }
 
-    /// A blocking send of a small point-to-point message (`data`, at most [`LANE_MAX`] bytes)
+    /// A blocking send of a small point-to-point message (`data`, at most `LANE_MAX` bytes)
     /// to shared-memory peer `dst` through its lane, the caller watching the answer word itself:
     /// no handle, no allocation, no acknowledgement frame. Declined (nothing sent) when the
     /// lane cannot take it now; handed to the engine when the answer is slow to come.
@@ -2552,7 +2459,7 @@ impl Engine {
         let Some(Some(watch)) = self.sh.watch.get(dst) else {
             return Fast::Declined;
         };
-        if data.len() > LANE_MAX || !env.fp.is_point_to_point() {
+        if !choice::lane_fits(data.len()) || refusal::scheduled(env.fp) {
             return Fast::Declined;
         }
         let h = env.eager(0, data.len());
@@ -2759,7 +2666,7 @@ impl Driver for Engine {
 
     fn cancel(&self, op_id: u64) {
         let mut st = self.sh.lock();
-        st.posted.retain(|r| r.id != op_id);
+        st.matcher.withdraw_posted(|r| r.id == op_id);
     }
 
     fn rank(&self) -> usize {

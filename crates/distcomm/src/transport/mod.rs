@@ -3,14 +3,20 @@
 //!
 //! * `frame`: the bounded wire header shared by the native transports (wire internals, not
 //!   public API: the fuzz targets reach it through `distcomm::__fuzz`, feature `fuzzing`);
-//! * `tcp`: the mesh and its progress engine, over sockets or shared-memory links;
+//! * `protocol`: the sans-I/O core (matching, protocol choice, refusals, reassembly,
+//!   cancellation by key), unit-tested in one process;
+//! * `engine`: the progress engine that carries out the core's decisions over the links, and
+//!   its poll loop (`engine::progress`);
+//! * `link`: the byte stream to one peer, `tcp` (socket) or `shm` (rings and lane beside it);
 //! * `shm` (Linux): shared-memory links between ranks on one host, chosen automatically
 //!   ([`TransportKind`]);
 //! * `connect_mesh`: establishing the mesh through the rendezvous store, with the versioned,
 //!   authenticated `handshake` checked before any user buffer is touched.
 
+pub(crate) mod engine;
 pub(crate) mod frame;
 pub(crate) mod handshake;
+pub(crate) mod link;
 pub(crate) mod protocol;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;

@@ -281,6 +281,7 @@ impl GroupBuilder {
             yield_spin: oversubscribed,
             sockbuf: env.sockbuf,
             data_chunk: env.data_chunk.map(|b| b.max(1)),
+            cancel_error: crate::collectives::cancelled_error,
         };
         let all_shm = links
             .iter()
@@ -391,6 +392,7 @@ fn mpi_world(rank: usize, world: usize, timeout: Duration, env: Config) -> Resul
         yield_spin: true,
         sockbuf: None,
         data_chunk: None,
+        cancel_error: crate::collectives::cancelled_error,
     };
     let engine = Engine::start(rank, streams, links, cfg)?;
     let members = Arc::new((0..world).collect());

@@ -106,6 +106,7 @@ use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
 pub use crate::config::TransportKind;
 /// Largest message a shared-memory peer's lane carries (blocking sends up to it take the lane).
 pub use frame::LANE_MAX;
+pub(crate) use protocol::cancel::{CancelNote, CancelledOp};
 
 /// What carries the bytes towards one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

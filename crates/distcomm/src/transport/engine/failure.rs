@@ -66,7 +66,7 @@ impl State {
         let withdrawn = |op| Error::Aborted {
             op,
             rank,
-            reason: "withdrawn by its collective".into(),
+            reason: "withdrawn by its caller".into(),
         };
         let owned = |b: &BoxBuf| -> BoxBuf { Box::new(b.bytes().to_vec()) };
         let scratch = |b: &BoxBuf| -> BoxBuf { Box::new(vec![0u8; b.bytes().len()]) };

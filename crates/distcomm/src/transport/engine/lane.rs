@@ -181,7 +181,7 @@ impl State {
                 *nack = Some(h);
                 Ok(Rx::Header)
             }
-            // A message nobody waits an answer for (a collective's).
+            // A message nobody waits an answer for (a scheduled one).
             _ => Ok(Rx::Header),
         }
     }

@@ -58,7 +58,7 @@ use crate::transport::frame::{
     RGET_PAYLOAD,
 };
 use crate::transport::link::{Fill, Link};
-use crate::transport::protocol::cancel::Cancelled;
+use crate::transport::protocol::cancel::{CancelError, CancelNote, Cancelled, CancelledOp};
 use crate::transport::protocol::choice::{self, Limits, Wire};
 use crate::transport::protocol::matching::{self, Key, Matcher};
 use crate::transport::protocol::reassembly::{Chunk, Reassembly};
@@ -77,7 +77,6 @@ mod progress;
 mod recv;
 mod wire;
 
-use cancel::cancel_aux;
 use wire::data_chunk;
 
 /// Everything about a posted operation except its buffer and its peer.
@@ -89,7 +88,9 @@ pub(crate) struct Envelope {
     /// Communication context (group and kind of traffic).
     pub ctx: u32,
     pub tag: u32,
-    /// Collective fingerprint ([`Fingerprint::NONE`] for point-to-point).
+    /// The check word, compared with the receive's and never interpreted; a non-empty one
+    /// makes the message *scheduled* (see `protocol::refusal`): exact size, no answer awaited.
+    /// [`Fingerprint::NONE`] for ordinary messages.
     pub fp: Fingerprint,
 }
 
@@ -155,6 +156,9 @@ pub struct EngineConfig {
     /// The Data chunk size for large messages. `None`: [`DATA_CHUNK`] towards other hosts,
     /// whole messages ([`LOCAL_DATA_CHUNK`]) on this one.
     pub data_chunk: Option<usize>,
+    /// The error of an operation whose key (context, tag) was cancelled, from the note of
+    /// whoever cancelled it: the cancelling layer's, which alone knows what the note means.
+    pub cancel_error: CancelError,
 }
 
 /// Towards a peer on another host, large messages travel in Data frames of at most this many
@@ -251,7 +255,7 @@ enum LaneWait {
 /// Who waits for the answer to a lane message.
 #[derive(Clone, Copy)]
 enum Owner {
-    /// Nobody (collective messages: complete once written).
+    /// Nobody (scheduled messages: complete once written).
     Nobody,
     /// Send `id` in `State::sends`.
     Op(u64),
@@ -414,20 +418,6 @@ struct Lent {
     own_failed: bool,
 }
 
-/// Why a collective was cancelled.
-#[derive(Clone, Copy)]
-struct Cancel {
-    /// The rank that cancelled it.
-    by: usize,
-    /// Its call.
-    fp: Fingerprint,
-    dtype: DType,
-    /// Whether it found a desync (otherwise another error).
-    desync: bool,
-    /// The peer whose loss made it fail, when that was the cause.
-    lost: Option<usize>,
-}
-
 struct State {
     rank: usize,
     /// Eager limits (towards any peer, towards shared-memory peers with direct copies).
@@ -444,7 +434,9 @@ struct State {
     closed: Option<String>,
     /// Keys (ctx, tag) cancelled (by a peer or here): who cancelled and their call, so every
     /// later operation of it fails with an error that describes its own call.
-    cancelled: Cancelled<Cancel>,
+    cancelled: Cancelled<CancelNote>,
+    /// The error of an operation of a cancelled key (the configuration's hook).
+    cancel_error: CancelError,
 }
 
 /// Hasher of our own message ids (sequential integers, never chosen by a peer): one

@@ -82,6 +82,7 @@ impl Engine {
                 next_id: 0,
                 closed: None,
                 cancelled: Cancelled::default(),
+                cancel_error: cfg.cancel_error,
             }),
             watch,
             wake_tx,
@@ -259,16 +260,11 @@ impl Engine {
         }
     }
 
-    /// Tells `peers` (global ranks) that collective (`ctx`, `tag`) failed here, so that their
+    /// Cancels key (`env.ctx`, `env.tag`) here and tells `peers` (global ranks), so that their
     /// operations of it fail too instead of waiting for us; refuses its later messages here.
-    /// `lost`: the peer whose loss failed it, if that was the cause (the others name it then).
-    pub(crate) fn cancel_collective(
-        &self,
-        env: Envelope,
-        desync: bool,
-        lost: Option<usize>,
-        peers: &[usize],
-    ) {
+    /// `why` is the caller's reason word, carried opaquely to `EngineConfig::cancel_error`
+    /// here and on every peer, with `env`'s check word and element type.
+    pub(crate) fn cancel_key(&self, env: Envelope, why: u32, peers: &[usize]) {
         let Envelope {
             dtype,
             ctx,
@@ -277,23 +273,19 @@ impl Engine {
             ..
         } = env;
         let mut st = self.sh.lock();
-        let by = self.sh.rank;
-        st.cancelled.cancel(
-            (ctx, tag),
-            Cancel {
-                by,
-                fp,
-                dtype,
-                desync,
-                lost,
-            },
-        );
+        let note = CancelNote {
+            by: self.sh.rank,
+            check: fp,
+            dtype,
+            why,
+        };
+        st.cancelled.cancel((ctx, tag), note);
         let hdr = Header {
             kind: Kind::Cancel,
             dtype,
             ctx,
             tag,
-            aux: cancel_aux(desync, lost),
+            aux: why,
             msg_id: 0,
             len: 0,
             fp,

@@ -121,7 +121,7 @@ impl State {
     pub(super) fn post_recv(&mut self, mut r: Posted) {
         let Some(u) = self.matcher.take_unexpected(r.src, (r.ctx, r.tag)) else {
             if let Some(c) = self.cancelled.get((r.ctx, r.tag)) {
-                let e = c.error(self.rank, r.op, r.fp, r.dtype);
+                let e = self.cancelled_error(c, r.op, r.fp, r.dtype);
                 r.cell.complete(Err(e), None);
                 return;
             }
@@ -269,12 +269,12 @@ impl State {
                 Ok(Rx::Header)
             }
             Kind::Cancel => {
-                self.cancel_collective_from(p, &h);
+                self.cancelled_by_peer(p, &h);
                 Ok(Rx::Header)
             }
             Kind::Nack if h.aux & LANE != 0 => self.lane_refused(p, h),
             // The refusal of a message sent without waiting for an answer (EAGER_NO_ACK):
-            // its collective is cancelled on every rank anyway.
+            // the layer above cancels its key where that matters.
             Kind::Nack if !self.sends.contains_key(&h.msg_id) => Ok(Rx::Header),
             Kind::Ack | Kind::Nack => {
                 if self.sends.get(&h.msg_id).is_none_or(|s| s.dst != p) {

@@ -8,6 +8,39 @@
 use std::collections::HashMap;
 
 use super::matching::Key;
+use crate::dtype::DType;
+use crate::error::Error;
+use crate::transport::frame::Fingerprint;
+
+/// Who cancelled a key and why, as the cancelling layer put it: the transport carries it (in
+/// the Cancel frame) and keeps it, but never interprets `check` or `why`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CancelNote {
+    /// The rank that cancelled the key.
+    pub by: usize,
+    /// Its check word and element type for the key's traffic.
+    pub check: Fingerprint,
+    pub dtype: DType,
+    /// The cancelling layer's reason word (opaque).
+    pub why: u32,
+}
+
+/// An operation of a cancelled key that fails now.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CancelledOp {
+    /// This rank and the world size.
+    pub rank: usize,
+    pub world: usize,
+    /// The operation, for its error.
+    pub op: &'static str,
+    /// Its check word and element type.
+    pub check: Fingerprint,
+    pub dtype: DType,
+}
+
+/// Turns the note of a cancelled key into the error of one of its operations: supplied by the
+/// layer that cancels keys (the engine's configuration), since only it knows what they mean.
+pub(crate) type CancelError = fn(&CancelNote, &CancelledOp) -> Error;
 
 /// Cancelled keys and their notes. Grows by one entry per cancelled key.
 pub(crate) struct Cancelled<N> {

@@ -104,7 +104,7 @@ pub(crate) fn refused(rank: usize, s: Sent, dst: usize, h: &Header) -> Error {
         Error::Aborted {
             op: s.op,
             rank,
-            reason: format!("rank {dst} had already cancelled this collective"),
+            reason: format!("rank {dst} had already cancelled it"),
         }
     } else if h.aux == NackReason::Mismatch as u32 {
         Error::Desync {

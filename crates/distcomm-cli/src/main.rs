@@ -1,9 +1,9 @@
 //! The `distcomm` command: `launch` local ranks torchrun-style, and `bench` communication.
+//!
+//! Owns: the command line and `launch`. The benchmarks are [`bench`]'s; this file must not know
+//! their suites, records or output.
 
 mod bench;
-mod collbench;
-mod plot;
-mod stagebench;
 
 use std::ffi::OsString;
 use std::process::ExitCode;

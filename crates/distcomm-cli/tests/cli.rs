@@ -141,6 +141,22 @@ fn bench_collectives_on_every_element_type() {
 }
 
 #[test]
+fn unknown_suites_and_element_types_list_the_accepted_ones() {
+    for (args, listed) in [
+        (&["bench", "allreduce"][..], "all_reduce, broadcast"),
+        (
+            &["bench", "all", "--dtype", "f128"][..],
+            "f32, f64, f16, bf16",
+        ),
+    ] {
+        let out = distcomm().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(listed), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn launch_names_the_failing_rank() {
     let out = distcomm()
         .args([

@@ -140,6 +140,31 @@ macro_rules! typed {
     };
 }
 
+/// Which side of a list collective is the per-rank list.
+#[derive(Clone, Copy)]
+enum List {
+    /// One input per rank, each the size of the single output (scatter, reduce_scatter).
+    Inputs,
+    /// One output per rank, each the size of the single input (all_gather, gather).
+    Outputs,
+}
+
+/// Checks that `parts` holds `n` regions of `single`'s size, one per rank; else the error says
+/// what `who` (e.g. `"all_gather"`, `"gather's root"`) needs.
+fn one_per_rank(who: &str, n: usize, list: List, parts: &[Region], single: Region) -> PyResult<()> {
+    if parts.len() == n && parts.iter().all(|p| p.1 == single.1) {
+        return Ok(());
+    }
+    let (parts_name, single_name) = match list {
+        List::Inputs => ("inputs", "output"),
+        List::Outputs => ("outputs", "input"),
+    };
+    Err(invalid(format!(
+        "{who} needs {n} {parts_name} of {} bytes each (the {single_name}'s size)",
+        single.1
+    )))
+}
+
 /// Memory regions of live tensors, held alive by `keep` for as long as this value lives.
 struct Mem {
     _keep: Py<PyAny>,
@@ -476,12 +501,7 @@ impl Group {
         sync: bool,
     ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
-        if outputs.len() != n || outputs.iter().any(|o| o.1 != input.1) {
-            return Err(invalid(format!(
-                "all_gather needs {n} outputs of {} bytes each (the input's size)",
-                input.1
-            )));
-        }
+        one_per_rank("all_gather", n, List::Outputs, &outputs, input)?;
         self.run(py, "all_gather", sync, keep, move |g, scratch| {
             let me = g.rank();
             let op = "all_gather";
@@ -515,11 +535,8 @@ impl Group {
     ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         let me = self.pg.rank();
-        if me == root && (outputs.len() != n || outputs.iter().any(|o| o.1 != input.1)) {
-            return Err(invalid(format!(
-                "gather's root needs {n} outputs of {} bytes each (the input's size)",
-                input.1
-            )));
+        if me == root {
+            one_per_rank("gather's root", n, List::Outputs, &outputs, input)?;
         }
         self.run(py, "gather", sync, keep, move |g, scratch| {
             let op = "gather";
@@ -556,11 +573,8 @@ impl Group {
     ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
         let me = self.pg.rank();
-        if me == root && (inputs.len() != n || inputs.iter().any(|i| i.1 != output.1)) {
-            return Err(invalid(format!(
-                "scatter's root needs {n} inputs of {} bytes each (the output's size)",
-                output.1
-            )));
+        if me == root {
+            one_per_rank("scatter's root", n, List::Inputs, &inputs, output)?;
         }
         self.run(py, "scatter", sync, keep, move |g, scratch| {
             let op = "scatter";
@@ -594,12 +608,7 @@ impl Group {
         sync: bool,
     ) -> PyResult<Option<Work>> {
         let n = self.pg.size();
-        if inputs.len() != n || inputs.iter().any(|i| i.1 != output.1) {
-            return Err(invalid(format!(
-                "reduce_scatter needs {n} inputs of {} bytes each (the output's size)",
-                output.1
-            )));
-        }
+        one_per_rank("reduce_scatter", n, List::Inputs, &inputs, output)?;
         let (dt, op) = reduce_op(Dt::parse(dtype)?, op)?;
         self.run(py, "reduce_scatter", sync, keep, move |g, scratch| {
             let me = g.rank();

@@ -162,6 +162,65 @@ impl Fingerprint {
     }
 }
 
+/// One collective call as every rank must see it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    pub kind: CallKind,
+    pub op: Option<ReduceOp>,
+    pub root: usize,
+    pub count: usize,
+    /// The call's size in the nccl-tests sense (for the comms log).
+    pub bytes: usize,
+    /// Part of a composite operation that logs itself (1-bit all_reduce): not logged alone.
+    pub quiet: bool,
+    /// The algorithm that runs it (`DISTCOMM_DEBUG=DEBUG`).
+    pub algo: &'static str,
+}
+
+impl Call {
+    pub(crate) fn new(kind: CallKind, count: usize) -> Call {
+        Call {
+            kind,
+            op: None,
+            root: 0,
+            count,
+            bytes: 0,
+            quiet: false,
+            algo: match kind {
+                CallKind::AllReduce => "recursive doubling",
+                CallKind::Broadcast | CallKind::Reduce => "binomial tree",
+                CallKind::AllGather | CallKind::ReduceScatter => "ring",
+                CallKind::Gather | CallKind::Scatter | CallKind::AllToAll => "direct",
+                CallKind::Barrier => "dissemination",
+                CallKind::PointToPoint => "direct",
+            },
+        }
+    }
+    pub(crate) fn algo(mut self, algo: &'static str) -> Call {
+        self.algo = algo;
+        self
+    }
+    pub(crate) fn quiet(mut self, quiet: bool) -> Call {
+        self.quiet = quiet;
+        self
+    }
+    pub(crate) fn bytes(mut self, bytes: usize) -> Call {
+        self.bytes = bytes;
+        self
+    }
+    pub(crate) fn op(mut self, op: ReduceOp) -> Call {
+        self.op = Some(op);
+        self
+    }
+    pub(crate) fn root(mut self, root: usize) -> Call {
+        self.root = root;
+        self
+    }
+    pub(crate) fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::of(self.kind, self.op, self.root, self.count)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

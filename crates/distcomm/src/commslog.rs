@@ -1,8 +1,8 @@
 //! The comms log: opt-in statistics of every collective a group runs — count, bytes, latency
-//! percentiles, algbw and busbw per (op, size) — as data ([`ProcessGroup::comms_log`]) and as a
-//! summary table like DeepSpeed's `log_summary` ([`ProcessGroup::comms_log_summary`]).
+//! percentiles, algbw and busbw per (op, size) — as data ([`ProcessGroup::comms_log`](crate::ProcessGroup::comms_log)) and as a
+//! summary table like DeepSpeed's `log_summary` ([`ProcessGroup::comms_log_summary`](crate::ProcessGroup::comms_log_summary)).
 //!
-//! Turn it on with `DISTCOMM_COMMS_LOG=1` or [`ProcessGroup::set_comms_log`]. Recording happens
+//! Turn it on with `DISTCOMM_COMMS_LOG=1` or [`ProcessGroup::set_comms_log`](crate::ProcessGroup::set_comms_log). Recording happens
 //! where the collective ends, in whichever thread ran it (the caller for blocking calls, the
 //! group's collective thread for async ones): it never waits on an async operation, so logging
 //! does not make async collectives synchronous. The latency of an async collective is its
@@ -14,7 +14,6 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::call::CallKind;
-use crate::ProcessGroup;
 
 /// Statistics of one (op, size).
 #[derive(Debug, Clone, PartialEq)]
@@ -94,7 +93,7 @@ impl CommsLog {
         e.2 += sent;
     }
 
-    fn stats(&self) -> Vec<CommsStat> {
+    pub(crate) fn stats(&self) -> Vec<CommsStat> {
         let s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
         s.iter()
             .map(|(&(op, bytes), (n, lat, sent))| {
@@ -124,31 +123,14 @@ impl CommsLog {
     }
 }
 
-impl ProcessGroup {
-    /// Turns the comms log on or off (it starts on when `DISTCOMM_COMMS_LOG=1`).
-    pub fn set_comms_log(&self, on: bool) {
-        self.inner.log.on.store(on, Ordering::Relaxed);
-    }
-
-    /// Statistics so far, by op and size.
-    ///
-    /// ```no_run
-    /// # fn main() -> distcomm::Result<()> {
-    /// let group = distcomm::init()?;
-    /// group.set_comms_log(true);
-    /// let mut x = vec![1f32; 1024];
-    /// group.all_reduce(&mut x, distcomm::ReduceOp::Sum)?;
-    /// let stats = group.comms_log();
-    /// assert_eq!(stats[0].op, "all_reduce");
-    /// print!("{}", group.comms_log_summary());
-    /// # Ok(()) }
-    /// ```
-    pub fn comms_log(&self) -> Vec<CommsStat> {
-        self.inner.log.stats()
+impl CommsLog {
+    /// Turns recording on or off.
+    pub(crate) fn set_on(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
     }
 
     /// The statistics as a table, one line per (op, size).
-    pub fn comms_log_summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         let mut out = format!(
             "{:<17} {:>12} {:>7} {:>14} {:>14} {:>10} {:>10} {:>10} {:>11} {:>11}\n",
             "op",
@@ -162,7 +144,7 @@ impl ProcessGroup {
             "algbw(GB/s)",
             "busbw(GB/s)"
         );
-        for s in self.comms_log() {
+        for s in self.stats() {
             out += &format!(
                 "{:<17} {:>12} {:>7} {:>14} {:>14} {:>10.1} {:>10.1} {:>10.1} {:>11.3} {:>11.3}\n",
                 s.op,
@@ -179,4 +161,21 @@ impl ProcessGroup {
         }
         out
     }
+}
+
+thread_local! {
+    /// Bytes this thread's collectives handed to the transport (or put into a shared arena).
+    static SENT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes sent so far by collectives run on this thread: a collective runs wholly on one thread,
+/// so the difference across a call is what that call sent (backends count what they send with
+/// [`count_sent`]).
+pub(crate) fn sent_bytes() -> u64 {
+    SENT.with(|s| s.get())
+}
+
+/// Counts `n` bytes a collective of this thread sent.
+pub(crate) fn count_sent(n: usize) {
+    SENT.with(|s| s.set(s.get() + n as u64));
 }

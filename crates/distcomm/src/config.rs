@@ -4,7 +4,7 @@
 //! ignored.
 //!
 //! Owns: the variables' names, their parsing and their accepted values, and the two choices made
-//! from them before anything else exists ([`Backend`], [`TransportKind`]). Must not know: what
+//! from them before anything else exists ([`BackendKind`], [`TransportKind`]). Must not know: what
 //! the settings do (defaults that depend on the machine, such as the spin time, are applied by
 //! the layer that uses them), or any layer above the leaves. The launcher's variables (rank,
 //! world, master address: torchrun's, mpirun's, srun's and `DISTCOMM_MASTER_ADDR`/`_PORT`)
@@ -89,34 +89,46 @@ pub const VARS: [&str; 22] = [
 
 /// What the yes/no variables accept.
 const FLAG: &str = "1 or 0 (also true/false, yes/no, on/off)";
+/// When ranks outnumber cores, waiters spin this briefly, yielding the core on every turn, and
+/// then sleep: a short yielding spin catches a reply from a rank that is running now without
+/// keeping anyone from the core (see the README for the measurements behind it).
+pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
+
 /// What the byte-size variables accept.
 const BYTES: &str = "a whole number of bytes";
 /// What the on/off switches whose default is on accept (any other number also means on).
 const OFF_SWITCH: &str = "0 (off) or 1 (on)";
 
-/// Which engine carries a group's traffic.
+/// Which backend carries a group's traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum BackendKind {
     /// distcomm's own transports (TCP, shared memory) and collective schedules.
     Native,
     /// The system MPI (feature `mpi`): for jobs started by `mpirun` or `srun`.
     Mpi,
 }
 
-impl Backend {
+impl BackendKind {
     /// `DISTCOMM_BACKEND`: `native` (default, also when unset or empty) or `mpi`.
-    pub fn from_env() -> Result<Backend> {
+    pub fn from_env() -> Result<BackendKind> {
         Reader::env().backend()
     }
 
-    fn parse(v: &str) -> Option<Backend> {
+    fn parse(v: &str) -> Option<BackendKind> {
         match v.trim() {
-            "" | "native" => Some(Backend::Native),
-            "mpi" => Some(Backend::Mpi),
+            "" | "native" => Some(BackendKind::Native),
+            "mpi" => Some(BackendKind::Mpi),
             _ => None,
         }
     }
 }
+
+/// The former name of [`BackendKind`].
+#[deprecated(
+    since = "0.1.0",
+    note = "renamed BackendKind (the backends themselves are now a trait)"
+)]
+pub type Backend = BackendKind;
 
 /// How ranks on one host talk (`DISTCOMM_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -155,7 +167,7 @@ impl TransportKind {
 /// user of the setting applies its default).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Config {
-    pub backend: Option<Backend>,
+    pub backend: Option<BackendKind>,
     pub timeout: Option<Duration>,
     pub secret: Option<Vec<u8>>,
     pub store_auth: bool,
@@ -277,9 +289,9 @@ impl Reader<'_> {
         }
     }
 
-    pub fn backend(&self) -> Result<Backend> {
+    pub fn backend(&self) -> Result<BackendKind> {
         let v = (self.lookup)(BACKEND).unwrap_or_default();
-        Backend::parse(&v).ok_or_else(|| bad(BACKEND, &v, "native or mpi"))
+        BackendKind::parse(&v).ok_or_else(|| bad(BACKEND, &v, "native or mpi"))
     }
 
     pub fn timeout(&self) -> Result<Option<Duration>> {
@@ -390,7 +402,7 @@ mod tests {
             (COMMS_LOG, "1"),
         ])
         .unwrap();
-        assert_eq!(c.backend, Some(Backend::Mpi));
+        assert_eq!(c.backend, Some(BackendKind::Mpi));
         assert_eq!(c.timeout, Some(Duration::from_millis(2500)));
         assert_eq!(c.secret.as_deref(), Some(&b"s"[..]));
         assert!(c.store_auth && c.comms_log && !c.shm_cma && !c.shm_allreduce);

@@ -185,15 +185,16 @@ impl Ready {
         }
     }
 
-    /// The one INFO line per rank that says how this rank is set up.
-    pub fn log(&self, group: &crate::ProcessGroup) {
+    /// The one INFO line per rank that says how this rank is set up: `links` names what carries
+    /// messages to each rank (its own included, and skipped).
+    pub fn log(&self, me: usize, links: &[&str], transport: &str, timeout: std::time::Duration) {
         if !tracing::enabled!(target: "distcomm::init", tracing::Level::INFO) {
             return;
         }
-        let me = group.rank();
-        let links: Vec<String> = (0..group.size())
+        let world = links.len();
+        let links: Vec<String> = (0..world)
             .filter(|&p| p != me)
-            .map(|p| format!("{p}:{}", group.transport_to(p).unwrap_or("?")))
+            .map(|p| format!("{p}:{}", links[p]))
             .collect();
         let auth = match (self.secret, self.store_auth) {
             (true, true) => "HMAC on every link and on the store",
@@ -207,21 +208,21 @@ impl Ready {
         tracing::info!(
             target: "distcomm::init",
             rank = me,
-            world = group.size(),
+            world,
             host = %host_name(),
             pid = std::process::id(),
             backend = "native",
-            transport = group.transport(),
+            transport,
             links = %links.join(" "),
             arena = %arena,
             auth,
             store = %self.store,
             hosts_store = self.hosts_store,
-            timeout = ?group.timeout(),
+            timeout = ?timeout,
             spin = ?self.spin,
             oversubscribed = self.oversubscribed,
             version = env!("CARGO_PKG_VERSION"),
-            "rank {me} of {} ready", group.size()
+            "rank {me} of {world} ready"
         );
     }
 }

@@ -67,8 +67,8 @@
 //!   [`reduce`], and the crate's HMAC helper.
 
 pub mod algorithms;
+pub mod backend;
 pub mod call;
-mod collectives;
 pub mod commslog;
 mod completion;
 pub mod config;
@@ -79,15 +79,11 @@ pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod group;
-#[cfg(target_os = "linux")]
-mod intranode;
-#[cfg(not(target_os = "linux"))]
-#[path = "intranode_stub.rs"]
-mod intranode;
 pub mod launch;
-pub mod mpi;
 mod onebit;
+mod order;
 pub mod pipeline;
+mod pool;
 pub mod reduce;
 pub mod rendezvous;
 pub mod staging;
@@ -108,9 +104,12 @@ pub mod __fuzz {
 }
 mod work;
 
+#[allow(deprecated)]
+pub use config::Backend;
+pub use config::BackendKind;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use group::{init, Backend, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
+pub use group::{init, GroupBuilder, ProcessGroup, DEFAULT_TIMEOUT, MAX_TAG};
 /// The `half` crate, whose [`f16`](half::f16) and [`bf16`](half::bf16) are element types.
 pub use half;
 pub use onebit::{padded_len, OneBitState};

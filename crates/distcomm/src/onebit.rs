@@ -21,9 +21,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::collectives::sent_bytes;
+use crate::commslog::sent_bytes;
 use crate::error::Result;
-use crate::group::{Inner, ProcessGroup};
+use crate::group::{Inner, ProcessGroup, Turn};
 use crate::work::Work;
 
 /// The error-feedback state of one buffer (keep one per all-reduced buffer, on every rank).
@@ -362,14 +362,14 @@ impl ProcessGroup {
 
     /// The sequence numbers of the two exchanges of a call (taken at issue time, in program
     /// order); none for an empty buffer, which communicates nothing.
-    fn onebit_tags(&self, len: usize) -> Option<[u32; 2]> {
-        (len > 0).then(|| std::array::from_fn(|_| self.inner.next_tag()))
+    fn onebit_tags(&self, len: usize) -> Option<[Turn; 2]> {
+        (len > 0).then(|| std::array::from_fn(|_| self.inner.issue()))
     }
 }
 
 /// Runs one call and books it in the comms log as `onebit_all_reduce` (its two exchanges are
 /// not logged alone), with the bytes it actually sent.
-fn onebit_on(g: &Inner, tags: [u32; 2], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
+fn onebit_on(g: &Inner, tags: [Turn; 2], buf: &mut [f32], state: &mut OneBitState) -> Result<()> {
     let (started, sent) = (Instant::now(), sent_bytes());
     onebit_rounds(g, tags, buf, state)?;
     let took = started.elapsed();
@@ -386,11 +386,11 @@ fn onebit_on(g: &Inner, tags: [u32; 2], buf: &mut [f32], state: &mut OneBitState
 
 fn onebit_rounds(
     g: &Inner,
-    tags: [u32; 2],
+    tags: [Turn; 2],
     buf: &mut [f32],
     state: &mut OneBitState,
 ) -> Result<()> {
-    let r = onebit_passes(g, tags, buf, state);
+    let r = onebit_passes(g, [tags[0].no(), tags[1].no()], buf, state);
     if r.is_err() {
         // The passes update the state in place: after a failure it is reset, as documented.
         state.clear();

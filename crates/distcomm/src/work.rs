@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use crate::completion::Status;
 pub(crate) use crate::completion::{BoxBuf, Deadline, Driver, OpCell, WireBuf};
@@ -332,5 +332,63 @@ impl<B> std::fmt::Debug for Work<B> {
             .field("peer", &self.peer)
             .field("completed", &self.cell.is_done())
             .finish()
+    }
+}
+
+/// A handle `wait_all` can poll and wait on, whatever its buffer type.
+pub(crate) trait Pending {
+    fn failed(&mut self) -> Option<Error>;
+    fn done(&self) -> bool;
+    fn wait_for(&mut self, d: Duration) -> Result<()>;
+}
+
+impl<B: 'static> Pending for Work<B> {
+    fn failed(&mut self) -> Option<Error> {
+        if !self.is_completed() {
+            return None;
+        }
+        self.wait_timeout(Duration::ZERO).err()
+    }
+    fn done(&self) -> bool {
+        self.is_completed()
+    }
+    fn wait_for(&mut self, d: Duration) -> Result<()> {
+        self.wait_timeout(d).map(|_| ())
+    }
+}
+
+/// Waits until every operation succeeded, returning the first failure as soon as it is seen
+/// (within a few milliseconds) rather than after waiting for operations that precede it: a peer
+/// that refuses our message must not leave us waiting for its reply until the deadline.
+pub(crate) fn wait_all(
+    ops: &mut [&mut dyn Pending],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    const SLICE: Duration = Duration::from_millis(2);
+    loop {
+        for op in ops.iter_mut() {
+            if let Some(e) = op.failed() {
+                return Err(e);
+            }
+        }
+        let Some(first) = ops.iter_mut().find(|o| !o.done()) else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        match first.wait_for(left.min(SLICE)) {
+            Ok(()) => {}
+            Err(e) if e.is_timeout() && !left.is_zero() => {}
+            // The deadline of the whole call passed: say how long it was, not the last slice.
+            Err(Error::Timeout { op, rank, peer, .. }) => {
+                return Err(Error::Timeout {
+                    op,
+                    rank,
+                    peer,
+                    after: timeout,
+                })
+            }
+            Err(e) => return Err(e),
+        }
     }
 }

@@ -29,10 +29,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::collectives::Pool;
 use crate::device::Device;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
+use crate::pool::Pool;
 use crate::reduce::{ReduceOp, Reducible};
 use crate::work::{Status, Work};
 use crate::ProcessGroup;

@@ -21,6 +21,7 @@ pub(crate) mod protocol;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;
+pub(crate) use tcp::Envelope;
 
 #[cfg(target_os = "linux")]
 pub(crate) use shm::ShmLink;

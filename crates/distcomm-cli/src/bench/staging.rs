@@ -4,6 +4,9 @@
 //! the copies the op must make (measured alone: a download for a send, an upload for a
 //! receive, both for an all_reduce), the copies and staged bytes per op, and
 //! staged ÷ (host + those copies): what staging costs beyond the copies it cannot avoid.
+//!
+//! Owns: the staging benchmarks and the devices this build can run them on. Must not know:
+//! the other suites, the command line, or how results are written.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,7 +14,10 @@ use std::time::Instant;
 use distcomm::device::{Device, Emulated, Host};
 use distcomm::{CopyStats, DType, Error, ProcessGroup, ReduceOp, Result};
 
-use crate::bench::{median, record, Record, Staging};
+use super::record::{median, record, Record, Staging};
+
+/// The line under the title of `bench staging`: what its rows compare.
+pub const NOTE: &str = "# staged op on device buffers vs the same op on host buffers; ratio = staged ÷ (host + the copies it must make, timed alone)";
 
 /// The devices this build can benchmark on.
 pub const DEVICES: &str = if cfg!(all(feature = "wgpu", feature = "cuda")) {
@@ -24,7 +30,8 @@ pub const DEVICES: &str = if cfg!(all(feature = "wgpu", feature = "cuda")) {
     "emulated, host (build with --features wgpu or cuda for GPUs)"
 };
 
-/// Benchmarks the staged ops at `size` bytes on `device`. Returns the records on rank 0.
+/// Benchmarks the staged ops at `size` bytes on `device` (`--device`: one of [`DEVICES`]).
+/// Returns the records on rank 0.
 pub fn run_size(g: &ProcessGroup, device: &str, size: usize) -> Result<Vec<Record>> {
     match device {
         "emulated" => run_on(g, &Arc::new(Emulated), size),

@@ -18,9 +18,9 @@
 //! barrier every rank compares all of them, so a rank that called something else is a typed
 //! desync error on every rank, never a wrong result.
 //!
-//! Ordering: ranks must enter the arena in the same order. Calls take a ticket when they are
-//! issued (in program order, like sequence numbers) and run in ticket order, whatever thread
-//! runs them (a blocking call can overtake an async one in flight otherwise).
+//! Ordering: ranks must enter the arena in the same order. Calls run in the group's issue order
+//! (the caller waits for the call's turn, see `crate::order`), one at a time, whatever thread
+//! runs them.
 //!
 //! Waiting spins briefly, then yields the core (at once when ranks outnumber cores), then
 //! sleeps in short naps; it checks the deadline, the peers' connections (a dead peer is the
@@ -30,9 +30,8 @@
 //! breaks the arena for good (the ranks' chunk counters may no longer agree): the flag tells
 //! every rank, and later calls take the network algorithms.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::call::Fingerprint;
@@ -76,16 +75,6 @@ pub(crate) fn arena_len(n: usize, chunk: usize) -> usize {
     data_base(n) + 2 * (n + 1) * chunk
 }
 
-struct Turn {
-    serving: u64,
-    /// Tickets given up before their turn.
-    done: BTreeSet<u64>,
-    /// Threads waiting for their turn (notifying costs a system call: only when needed).
-    waiters: u32,
-    /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
-    step: u64,
-}
-
 /// This rank's view of the group's arena.
 pub(crate) struct Arena {
     region: Region,
@@ -97,9 +86,9 @@ pub(crate) struct Arena {
     oversubscribed: bool,
     /// Largest all_reduce (bytes) that goes through the arena.
     max_bytes: usize,
-    next_ticket: AtomicU64,
-    turn: Mutex<Turn>,
-    cv: Condvar,
+    /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
+    /// Calls run one at a time, in issue order (the group's turns, see `crate::order`).
+    step: AtomicU64,
 }
 
 /// Why a rank broke the arena, as its flag word says: bit 0 set (broken), the reason in bits
@@ -163,33 +152,6 @@ impl Wait<'_> {
     }
 }
 
-/// A place in the arena's order; dropping it without running gives the place up.
-pub(crate) struct Ticket {
-    arena: Arc<Arena>,
-    no: u64,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let mut t = self.arena.turn.lock().unwrap_or_else(|e| e.into_inner());
-        if t.serving != self.no {
-            t.done.insert(self.no);
-            return;
-        }
-        t.serving += 1;
-        loop {
-            let next = t.serving;
-            if !t.done.remove(&next) {
-                break;
-            }
-            t.serving = next + 1;
-        }
-        if t.waiters > 0 {
-            self.arena.cv.notify_all();
-        }
-    }
-}
-
 /// The words a call publishes: (kind, op, dtype, tag) and count.
 fn fp_words(fp: &Fingerprint, dtype: DType, tag: u32) -> (u64, u64) {
     // Bit 24 marks the words as written (a fresh arena is all zeros).
@@ -229,14 +191,7 @@ impl Arena {
             chunk,
             members,
             oversubscribed: cfg.oversubscribed,
-            next_ticket: AtomicU64::new(0),
-            turn: Mutex::new(Turn {
-                serving: 0,
-                done: BTreeSet::new(),
-                waiters: 0,
-                step: 0,
-            }),
-            cv: Condvar::new(),
+            step: AtomicU64::new(0),
         }
     }
 
@@ -246,13 +201,9 @@ impl Arena {
             && self.region.word(OFF_MAGIC).load(Ordering::Acquire) == MAGIC
     }
 
-    /// Takes the next place in the arena's order for an all_reduce of `bytes` (at issue time,
-    /// in program order), if it will run here.
-    pub(crate) fn ticket(self: &Arc<Self>, bytes: usize) -> Option<Ticket> {
-        (bytes > 0 && bytes <= self.max_bytes && self.usable()).then(|| Ticket {
-            arena: self.clone(),
-            no: self.next_ticket.fetch_add(1, Ordering::AcqRel),
-        })
+    /// Largest all_reduce (bytes) that goes through the arena.
+    pub(crate) fn max_bytes(&self) -> usize {
+        self.max_bytes
     }
 
     /// Where rank `r` publishes the call that starts at `step`.
@@ -370,7 +321,6 @@ impl Arena {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
-        ticket: &Ticket,
         buf: &mut [T],
         op: ReduceOp,
         fp: &Fingerprint,
@@ -379,30 +329,7 @@ impl Arena {
         timeout: Duration,
         engine: &Engine,
     ) -> Result<()> {
-        const NAME: &str = "all_reduce";
-        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
-        let mut started = None;
-        while t.serving != ticket.no {
-            let since = *started.get_or_insert_with(Instant::now);
-            let left = timeout.saturating_sub(since.elapsed());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    op: NAME,
-                    rank: self.me,
-                    peer: None,
-                    after: timeout,
-                });
-            }
-            t.waiters += 1;
-            t = self
-                .cv
-                .wait_timeout(t, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-            t.waiters -= 1;
-        }
-        let first_step = t.step;
-        drop(t);
+        let first_step = self.step.load(Ordering::Acquire);
         let size = std::mem::size_of::<T>();
         // Four chunks at least (copies in, reductions and copies out of neighbouring chunks
         // overlap across ranks), each between 64 KiB and a slot. Measured on 2 ranks: 1 MiB
@@ -416,7 +343,7 @@ impl Arena {
             per_chunk,
             first_step,
             Wait {
-                since: std::cell::Cell::new(started),
+                since: std::cell::Cell::new(None),
                 timeout,
                 engine,
                 call: fp_words(fp, dtype, tag),
@@ -425,7 +352,7 @@ impl Arena {
         match &result {
             Ok(()) => {
                 let ran = buf.len().div_ceil(per_chunk) as u64;
-                self.turn.lock().unwrap_or_else(|e| e.into_inner()).step = first_step + ran;
+                self.step.store(first_step + ran, Ordering::Release);
             }
             // The ranks' chunk counters may no longer agree (a rank ran another collective, or
             // stopped mid-call): nobody uses the arena again.

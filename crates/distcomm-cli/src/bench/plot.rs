@@ -1,12 +1,16 @@
 //! `--plot FILE.svg`: bandwidth against message size through `plotters` (SVG backend), one
 //! chart per kind of op — point-to-point (bandwidth of one message) apart from the collectives
 //! (bus bandwidth) — one line with markers per op, under a title that says what ran where.
+//!
+//! Owns: the SVG's layout. Must not know: how anything was measured, nor any suite: it draws
+//! [`Record`]s, whatever made them.
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::bench::{is_p2p, Record, Title};
 use distcomm::{Error, Result};
+
+use super::record::{Record, Title};
 
 /// Distinct colours, enough for every op of `bench all` (12): Tableau's 10 and two more.
 const COLORS: [RGBColor; 12] = [
@@ -41,8 +45,12 @@ fn plot_error(e: impl std::fmt::Display) -> Error {
 pub fn svg(records: &[Record], title: &Title) -> Result<(String, String)> {
     let sized: Vec<&Record> = records.iter().filter(|r| r.bytes > 0).collect();
     let mut charts = Vec::new();
-    let p2p: Vec<&Record> = sized.iter().copied().filter(|r| is_p2p(r.op)).collect();
-    let coll: Vec<&Record> = sized.iter().copied().filter(|r| !is_p2p(r.op)).collect();
+    let p2p: Vec<&Record> = sized.iter().copied().filter(|r| r.point_to_point).collect();
+    let coll: Vec<&Record> = sized
+        .iter()
+        .copied()
+        .filter(|r| !r.point_to_point)
+        .collect();
     if !p2p.is_empty() {
         charts.push(Chart {
             caption: "point-to-point: ranks 0 and 1",

@@ -1,0 +1,594 @@
+//! The native backend's collectives: the schedules of [`crate::algorithms`] run over the
+//! engine's point-to-point, the algorithm chosen per op, size and world, and all_reduce through
+//! the shared-memory arena when the group has one.
+//!
+//! Every message of a collective carries the call's fingerprint and its sequence number as
+//! tag (see [`crate::call`]); a failed call is cancelled on every member.
+//!
+//! `f16`/`bf16` reductions are carried out in `f32` (the data travels as `f32`) and rounded once
+//! at the end.
+//!
+//! Owns: which schedule runs a call, and running it. Must not know: the API's argument checks
+//! (calls arrive checked, this rank's own block in place) or how messages travel.
+
+use std::mem::{size_of, size_of_val};
+use std::ops::Deref;
+use std::time::Duration;
+
+use super::arena::Arena;
+use super::NativeBackend;
+use crate::algorithms::{self as alg, Schedule, Space, Step};
+use crate::backend::{typed, typed_mut, with_dtype, Coll, CollCall, CTX_COLL};
+use crate::call::Call;
+use crate::commslog::count_sent;
+use crate::completion::{Deadline, RawView};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::order::Turn;
+use crate::reduce::{ReduceOp, Reducible};
+use crate::transport::Envelope;
+use crate::work::{wait_all, Pending, Work};
+
+// Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
+// how they were measured. Overridable by environment variables (`crate::config`).
+
+/// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on
+/// two ranks, where the ring's extra round costs more than its halved messages save). Measured
+/// with `DISTCOMM_ALL_REDUCE_RING_MIN=1` vs `=1000000000 distcomm bench all_reduce` on this 2-core
+/// VM: world 2 crosses between 256 KiB and 1 MiB, world 4 between 64 KiB and 256 KiB.
+pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
+/// The ring all_reduce runs on segments of the buffer one after the other, so that each round
+/// moves at most this many bytes per rank (received, then reduced while still in cache).
+/// Measured with `DISTCOMM_RING_CHUNK_MAX` at 1, 2 and 4 MiB and unbounded, 64 MiB over TCP
+/// (busbw, GB/s, two runs each): world 4 0.92 -> 1.16-1.20 at 1 MiB (1.11-1.18 at 2, 0.97-1.16
+/// at 4); world 3 1.08-1.10 -> 1.25-1.26; world 2 1.66-1.72 -> 1.95-1.99. Over shared memory
+/// it makes no difference either way.
+pub const RING_CHUNK_MAX: usize = 1 << 20;
+/// broadcast switches from the binomial tree to scatter + all-gather at this many bytes, on
+/// five ranks or more. Measured like the all_reduce threshold: on 3 ranks the tree won at every
+/// size up to 16 MiB; on 5 it lost from 4 MiB on (0.58 vs 0.56 GB/s at 4 MiB, 0.54 vs 0.48 at
+/// 16 MiB).
+pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
+
+/// Runs collective `coll` of `c.dtype` elements on `b`, cancelling it on every member when it
+/// fails.
+pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> {
+    let CollCall {
+        call,
+        dtype,
+        tag,
+        turn,
+        timeout,
+    } = c;
+    let r = Run { b, timeout };
+    let op = call.kind.name();
+    let result = with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op));
+    if let Err(e) = &result {
+        b.cancel(&call, dtype, tag, e);
+    }
+    result
+}
+
+/// One collective call running on a group's native backend, with the call's deadline.
+struct Run<'a> {
+    b: &'a NativeBackend,
+    timeout: Duration,
+}
+
+impl Deref for Run<'_> {
+    type Target = NativeBackend;
+    fn deref(&self) -> &NativeBackend {
+        self.b
+    }
+}
+
+impl Run<'_> {
+    fn invalid(&self, op: &'static str, detail: String) -> Error {
+        Error::InvalidArgument {
+            op,
+            rank: self.rank,
+            detail,
+        }
+    }
+
+    /// The call on typed buffers.
+    fn coll<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        turn: Turn,
+        coll: Coll<'_>,
+        op: &'static str,
+    ) -> Result<()> {
+        if let Coll::AllReduce(buf, rop) = coll {
+            return self.all_reduce_on(call, tag, typed_mut::<T>(op, buf)?, rop, turn);
+        }
+        // Only the arena's order matters to the native schedules: their messages match by
+        // sequence number.
+        drop(turn);
+        match coll {
+            Coll::AllReduce(..) => Ok(()),
+            Coll::Broadcast(buf, root) => {
+                self.broadcast_on(call, tag, typed_mut::<T>(op, buf)?, root)
+            }
+            Coll::Reduce(buf, root, rop) => {
+                self.reduce_on(call, tag, typed_mut::<T>(op, buf)?, root, rop)
+            }
+            Coll::AllGather(_, out) => self.all_gather_on(call, tag, typed_mut::<T>(op, out)?),
+            Coll::Gather(input, out, root) => {
+                let out = out.map(|o| typed_mut::<T>(op, o)).transpose()?;
+                self.gather_on(call, tag, typed::<T>(op, input)?, out, root)
+            }
+            Coll::Scatter(input, out, _) => {
+                let input = input.map(|i| typed::<T>(op, i)).transpose()?;
+                self.scatter_on(call, tag, input, typed_mut::<T>(op, out)?)
+            }
+            Coll::ReduceScatter(input, out, rop) => {
+                let (input, out) = (typed::<T>(op, input)?, typed_mut::<T>(op, out)?);
+                self.reduce_scatter_on(call, tag, input, out, rop)
+            }
+            Coll::AllToAll((input, sc), (out, rc)) => {
+                let (input, out) = (typed::<T>(op, input)?, typed_mut::<T>(op, out)?);
+                self.all_to_all_on(call, tag, (input, sc), (out, rc))
+            }
+        }
+    }
+
+    /// Runs `sched` for this rank: per round, post every receive and send, wait for all, then
+    /// combine what arrived.
+    fn execute<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        out: &mut [T],
+        inp: &[T],
+    ) -> Result<()> {
+        chose(call, T::DTYPE, self.rank, self.size(), sched.len());
+        if let Some(arena) = &self.arena {
+            arena.announce(&call.fingerprint(), T::DTYPE, tag);
+        }
+        self.execute_rounds(call, tag, sched, out, inp)
+    }
+
+    /// All-reduce through the shared-memory arena (16-bit floats widened to f32 and rounded
+    /// once, averages divided at the end, as on the network path), in the call's turn.
+    fn arena_all_reduce<T: Reducible>(
+        &self,
+        arena: &Arena,
+        call: &Call,
+        tag: u32,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.size();
+        chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
+        let fp = call.fingerprint();
+        let (timeout, engine) = (self.timeout, &*self.engine);
+        // What this rank puts into the shared arena is what it "sends".
+        match self.widened(buf) {
+            Some(mut wide) => {
+                let done = arena
+                    .all_reduce(&mut wide, op, &fp, T::DTYPE, tag, timeout, engine)
+                    .map(|()| {
+                        count_sent(size_of_val(wide.as_slice()));
+                        if op == ReduceOp::Avg {
+                            f32::finish_avg(&mut wide, n);
+                        }
+                        T::narrow(buf, &wide);
+                    });
+                self.pool.give(wide);
+                done
+            }
+            None => arena
+                .all_reduce(buf, op, &fp, T::DTYPE, tag, timeout, engine)
+                .map(|()| {
+                    count_sent(size_of_val(buf));
+                    if op == ReduceOp::Avg {
+                        T::finish_avg(buf, n);
+                    }
+                }),
+        }
+    }
+
+    fn execute_rounds<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        out: &mut [T],
+        inp: &[T],
+    ) -> Result<()> {
+        // Fixed once the first round's messages are posted: off the path to the first send.
+        let mut deadline = Deadline::after(self.timeout);
+        let fp = call.fingerprint();
+        let name = call.kind.name();
+        let op = call.op.unwrap_or(ReduceOp::Sum);
+        let eager_max = self.engine.eager_max();
+        let env = Envelope {
+            op: name,
+            dtype: T::DTYPE,
+            ctx: CTX_COLL,
+            tag,
+            fp,
+        };
+        for round in sched {
+            let mut recvs = Vec::new();
+            let mut sends = Vec::new();
+            // Large transfers of rounds whose ranges do not overlap read and write the caller's
+            // buffers in place (no copy); the guard makes the engine let go of them, whatever
+            // way this round ends, before the buffers are touched again.
+            let in_place = alg::disjoint_in_place(round);
+            let mut direct = ViewGuard {
+                engine: &self.engine,
+                ids: Vec::new(),
+                works: Vec::new(),
+            };
+            // Receives first, so that what the peers send finds its buffer posted.
+            let recv_first = round
+                .iter()
+                .filter(|s| matches!(s, Step::Recv { .. }))
+                .chain(round.iter().filter(|s| matches!(s, Step::Send { .. })));
+            for step in recv_first {
+                match step {
+                    Step::Recv {
+                        peer,
+                        range,
+                        reduce: false,
+                    } if in_place && range.len() * size_of::<T>() > eager_max => {
+                        let dst = out
+                            .get_mut(range.clone())
+                            .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        // SAFETY: `out` outlives this round; nothing else touches this range
+                        // until the round ends (ranges are disjoint: `in_place`), and the guard
+                        // reclaims the view before the round returns, on every path.
+                        let view = unsafe { RawView::of_mut(bytemuck::cast_slice_mut(dst)) };
+                        let w: Work<()> =
+                            self.b.post_recv(env, Box::new(view), *peer, self.timeout)?;
+                        direct.ids.push(w.id());
+                        direct.works.push(w);
+                    }
+                    Step::Recv {
+                        peer,
+                        range,
+                        reduce,
+                    } => {
+                        // Overwritten whole by the message (a collective's must fit exactly),
+                        // so whatever the pooled buffer held need not be cleared first.
+                        let buf: Vec<T> = self.pool.take_len(range.len());
+                        let w: Work<Vec<T>> =
+                            self.b.post_recv(env, Box::new(buf), *peer, self.timeout)?;
+                        recvs.push((w, range.clone(), *reduce));
+                    }
+                    Step::Send { peer, space, range } => {
+                        let src = match space {
+                            Space::Out => out.get(range.clone()),
+                            Space::In => inp.get(range.clone()),
+                        }
+                        .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        count_sent(size_of_val(src));
+                        if in_place && size_of_val(src) > eager_max {
+                            // SAFETY: as for receives above; sends only read the range.
+                            let view = unsafe { RawView::of(bytemuck::cast_slice(src)) };
+                            let w: Work<()> =
+                                self.b.post_send(env, Box::new(view), *peer, self.timeout)?;
+                            direct.ids.push(w.id());
+                            direct.works.push(w);
+                            continue;
+                        }
+                        let mut buf: Vec<T> = self.pool.take();
+                        buf.extend_from_slice(src);
+                        let w: Work<Vec<T>> =
+                            self.b.post_send(env, Box::new(buf), *peer, self.timeout)?;
+                        // A small send of a collective completes once written (no
+                        // acknowledgement: a receiver that refuses it cancels the collective on
+                        // every rank); nothing to wait for.
+                        if std::mem::size_of_val(src) > eager_max {
+                            sends.push(w);
+                        }
+                    }
+                }
+            }
+            {
+                let mut all: Vec<&mut dyn Pending> = Vec::with_capacity(recvs.len() + sends.len());
+                all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
+                all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
+                all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));
+                wait_all(&mut all, deadline.get(), self.timeout)?;
+            }
+            for (w, range, reduce) in recvs {
+                let data = w.into_buffer()?;
+                let dst = &mut out[range];
+                if reduce {
+                    T::reduce_into(dst, &data, op);
+                } else {
+                    dst.copy_from_slice(&data);
+                }
+                self.pool.give(data);
+            }
+            for w in sends {
+                if let Ok(buf) = w.into_buffer() {
+                    self.pool.give(buf);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `buf` as `f32` in a pooled buffer, for the types collectives reduce in `f32` (16-bit
+    /// floats; `None` for others). A fresh buffer would cost page faults on every large call
+    /// (bf16 all_reduce of 64 MiB over TCP, world 2: 218 ms with them; f32 takes 37). Give it
+    /// back to the pool when done.
+    fn widened<T: Reducible>(&self, buf: &[T]) -> Option<Vec<f32>> {
+        T::WIDENS.then(|| {
+            let mut wide = self.pool.take_len(buf.len());
+            T::widen_into(buf, &mut wide);
+            wide
+        })
+    }
+
+    /// A reducing collective on 16-bit floats, run whole in `f32` and, where `divide` (the end
+    /// of an average), divided before it is rounded back. `None` for other types.
+    fn in_f32<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        buf: &mut [T],
+        divide: bool,
+    ) -> Option<Result<()>> {
+        let mut wide = self.widened(buf)?;
+        let done = self.execute::<f32>(call, tag, sched, &mut wide, &[]);
+        if done.is_ok() {
+            if divide {
+                f32::finish_avg(&mut wide, self.size());
+            }
+            T::narrow(buf, &wide);
+        }
+        self.pool.give(wide);
+        Some(done)
+    }
+
+    /// Runs a reducing collective, widening 16-bit floats to f32 around it.
+    fn reducing<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        sched: &Schedule,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.in_f32(call, tag, sched, buf, false)
+            .unwrap_or_else(|| self.execute(call, tag, sched, buf, &[]))
+    }
+
+    fn all_reduce_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        buf: &mut [T],
+        op: ReduceOp,
+        turn: Turn,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let bytes = size_of_val(buf);
+        if let Some(arena) = &self.arena {
+            if bytes > 0 && bytes <= arena.max_bytes() {
+                // Every rank enters the arena in issue order: wait until every earlier
+                // collective of the group has started, and hold the turn until this one ends.
+                turn.wait(call.kind.name(), r, self.timeout)?;
+                if arena.usable() {
+                    return self.arena_all_reduce(arena, call, tag, buf, op);
+                }
+            }
+        }
+        drop(turn);
+        let ring_min = if n == 2 {
+            2 * ALL_REDUCE_RING_MIN
+        } else {
+            ALL_REDUCE_RING_MIN
+        };
+        let (call, sched) =
+            if bytes >= self.config.all_reduce_ring_min.unwrap_or(ring_min) && buf.len() >= n {
+                let chunk = self.config.ring_chunk_max.unwrap_or(RING_CHUNK_MAX) / size_of::<T>();
+                let seg = chunk.max(1).saturating_mul(n);
+                let sched = alg::segmented(buf.len(), seg, |len| alg::ring_all_reduce(n, r, len));
+                (call.algo("ring"), sched)
+            } else {
+                (*call, alg::recursive_doubling_all_reduce(n, r, buf.len()))
+            };
+        // Averages of 16-bit floats divide in f32 too: widen around the whole thing.
+        if op == ReduceOp::Avg {
+            if let Some(done) = self.in_f32(&call, tag, &sched, buf, true) {
+                return done;
+            }
+        }
+        self.reducing(&call, tag, &sched, buf)?;
+        if op == ReduceOp::Avg {
+            T::finish_avg(buf, n);
+        }
+        Ok(())
+    }
+
+    fn broadcast_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let bytes = size_of_val(buf);
+        let scatter_min = if n >= 5 {
+            BROADCAST_SCATTER_MIN
+        } else {
+            usize::MAX
+        };
+        let (call, sched) = if bytes >= self.config.broadcast_scatter_min.unwrap_or(scatter_min)
+            && buf.len() >= n
+        {
+            let sched = alg::scatter_all_gather_broadcast(n, r, root, buf.len());
+            (call.algo("scatter + ring all_gather"), sched)
+        } else {
+            (*call, alg::binomial_broadcast(n, r, root, buf.len()))
+        };
+        self.execute(&call, tag, &sched, buf, &[])
+    }
+
+    fn reduce_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        buf: &mut [T],
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let sched = alg::binomial_reduce(n, r, root, buf.len());
+        if op == ReduceOp::Avg {
+            if let Some(done) = self.in_f32(call, tag, &sched, buf, r == root) {
+                return done;
+            }
+        }
+        self.reducing(call, tag, &sched, buf)?;
+        if op == ReduceOp::Avg && r == root {
+            T::finish_avg(buf, n);
+        }
+        Ok(())
+    }
+
+    /// This rank's block is already in place in `output`.
+    fn all_gather_on<T: Reducible>(&self, call: &Call, tag: u32, output: &mut [T]) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let sched = alg::ring_all_gather(n, r, output.len());
+        self.execute(call, tag, &sched, output, &[])
+    }
+
+    /// The root's own block is already in place in `output`.
+    fn gather_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, input.len());
+        let sched = alg::direct_gather(n, r, root, k);
+        match output {
+            Some(out) => self.execute(call, tag, &sched, out, input),
+            None => self.execute(call, tag, &sched, &mut [], input),
+        }
+    }
+
+    /// The root's own block is already in place in `output`.
+    fn scatter_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        input: Option<&[T]>,
+        output: &mut [T],
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, output.len());
+        let sched = alg::direct_scatter(n, r, call.root, k);
+        self.execute(call, tag, &sched, output, input.unwrap_or(&[]))
+    }
+
+    fn reduce_scatter_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r, k) = (self.size(), self.rank, output.len());
+        let sched = alg::ring_reduce_scatter(n, r, n * k);
+        let mine = r * k..(r + 1) * k;
+        match self.widened(input) {
+            Some(mut wide) => {
+                let done = self.execute::<f32>(call, tag, &sched, &mut wide, &[]);
+                if done.is_ok() {
+                    if op == ReduceOp::Avg {
+                        f32::finish_avg(&mut wide[mine.clone()], n);
+                    }
+                    T::narrow(output, &wide[mine]);
+                }
+                self.pool.give(wide);
+                done?;
+            }
+            None => {
+                // A pooled working copy: a fresh one of a large input is page faults every call.
+                let mut work = self.pool.take();
+                work.extend_from_slice(input);
+                let done = self.execute(call, tag, &sched, &mut work, &[]);
+                if done.is_ok() {
+                    output.copy_from_slice(&work[mine]);
+                }
+                self.pool.give(work);
+                done?;
+                if op == ReduceOp::Avg {
+                    T::finish_avg(output, n);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `send`/`recv`: the buffer and the element count per peer (checked); this rank's own
+    /// block is already in place.
+    fn all_to_all_on<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        send: (&[T], &[usize]),
+        recv: (&mut [T], &[usize]),
+    ) -> Result<()> {
+        let ((input, send_counts), (output, recv_counts)) = (send, recv);
+        let (n, r) = (self.size(), self.rank);
+        let ranges = |counts: &[usize]| -> Vec<std::ops::Range<usize>> {
+            let mut start = 0;
+            counts
+                .iter()
+                .map(|&c| {
+                    start += c;
+                    start - c..start
+                })
+                .collect()
+        };
+        let (sr, rr) = (ranges(send_counts), ranges(recv_counts));
+        let sched = alg::direct_all_to_all(n, r, &sr, &rr);
+        self.execute(call, tag, &sched, output, input)
+    }
+}
+
+/// The DEBUG event of a collective's algorithm (subsystem `coll`).
+fn chose(call: &Call, dtype: DType, rank: usize, n: usize, rounds: usize) {
+    tracing::debug!(
+        target: "distcomm::coll",
+        rank,
+        ranks = n,
+        count = call.count,
+        bytes = call.bytes,
+        dtype = ?dtype,
+        op = ?call.op,
+        root = call.root,
+        rounds,
+        "{} by {}",
+        call.kind.name(),
+        call.algo
+    );
+}
+
+/// Makes the engine let go of a round's in-place views when the round ends, however it ends
+/// (success, error or panic), before the caller's buffers can be touched or freed.
+struct ViewGuard<'a> {
+    engine: &'a crate::transport::tcp::Engine,
+    ids: Vec<u64>,
+    works: Vec<Work<()>>,
+}
+
+impl Drop for ViewGuard<'_> {
+    fn drop(&mut self) {
+        self.engine.reclaim(&self.ids);
+    }
+}

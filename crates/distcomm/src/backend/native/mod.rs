@@ -1,0 +1,360 @@
+//! The native backend: distcomm's own progress engine (TCP and shared-memory links, see
+//! [`crate::transport`]), the schedules of [`crate::algorithms`] run over it
+//! (`collectives`), and the shared-memory arena (`arena`) as the component all_reduce takes
+//! when every member shares a host.
+//!
+//! A subgroup's backend shares the world's engine and connections; its messages travel in its
+//! own contexts (group number × [`CTX_PER_GROUP`]).
+//!
+//! Owns: group ranks to global ranks, contexts, algorithm choice. Must not know: the API's
+//! handles beyond [`Work`], or any other backend.
+
+#[cfg(target_os = "linux")]
+pub(crate) mod arena;
+#[cfg(not(target_os = "linux"))]
+#[path = "arena_stub.rs"]
+pub(crate) mod arena;
+mod collectives;
+mod setup;
+
+pub(crate) use setup::Native;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use self::arena::Arena;
+use super::{Backend, Coll, CollCall, Posted, Small, Split, CTX_BARRIER, CTX_PER_GROUP};
+use crate::call::{Call, Fingerprint};
+use crate::config::Config;
+use crate::device::Memory;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::transport::tcp::{Engine, Fast};
+use crate::transport::{CancelNote, CancelledOp, Envelope, LinkKind};
+use crate::work::{BoxBuf, Driver, Status, Work};
+
+/// One group on the native engine.
+pub(crate) struct NativeBackend {
+    engine: Arc<Engine>,
+    /// Group rank -> global rank.
+    members: Arc<Vec<usize>>,
+    rank: usize,
+    /// Base of the group's contexts.
+    ctx: u32,
+    /// The shared-memory arena of intra-node all_reduce (world group, all ranks on one host).
+    arena: Option<Arc<Arena>>,
+    /// Scratch buffers of the schedules, reused so that large ones are not faulted in anew.
+    pool: Pool,
+    config: Arc<Config>,
+}
+
+impl NativeBackend {
+    /// The world group's backend over `engine`.
+    pub(crate) fn world(
+        engine: Arc<Engine>,
+        members: Arc<Vec<usize>>,
+        rank: usize,
+        arena: Option<Arc<Arena>>,
+        config: Arc<Config>,
+    ) -> NativeBackend {
+        NativeBackend {
+            engine,
+            members,
+            rank,
+            ctx: 0,
+            arena,
+            pool: Pool::default(),
+            config,
+        }
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn global(&self, op: &'static str, peer: usize) -> Result<usize> {
+        self.members.get(peer).copied().ok_or(Error::InvalidRank {
+            op,
+            rank: self.rank,
+            peer,
+            world: self.members.len(),
+        })
+    }
+
+    /// Group rank -> global rank for statuses, in subgroups (the world's ranks are global).
+    fn map(&self) -> Option<Arc<Vec<usize>>> {
+        (self.ctx != 0).then(|| self.members.clone())
+    }
+
+    /// `env` with its context made absolute (it is relative to the group's contexts).
+    fn scoped(&self, env: Envelope) -> Envelope {
+        Envelope {
+            ctx: self.ctx + env.ctx,
+            ..env
+        }
+    }
+
+    fn driver(&self) -> Arc<dyn Driver> {
+        self.engine.clone()
+    }
+
+    fn posted(&self, (id, cell): (u64, Arc<crate::work::OpCell>)) -> Posted {
+        Posted {
+            cell,
+            driver: self.driver(),
+            id,
+            map: self.map(),
+        }
+    }
+
+    /// A send to group rank `dst` as a typed handle (for the schedules).
+    fn post_send<B: 'static>(
+        &self,
+        env: Envelope,
+        buf: BoxBuf,
+        dst: usize,
+        timeout: Duration,
+    ) -> Result<Work<B>> {
+        Ok(self
+            .isend(env, buf, dst, timeout)?
+            .into_work(env.op, Some(dst), timeout)
+            .detach_on_drop())
+    }
+
+    /// A receive from group rank `src` as a typed handle (for the schedules).
+    fn post_recv<B: 'static>(
+        &self,
+        env: Envelope,
+        buf: BoxBuf,
+        src: usize,
+        timeout: Duration,
+    ) -> Result<Work<B>> {
+        Ok(self
+            .irecv(env, buf, Some(src), timeout)?
+            .into_work(env.op, Some(src), timeout))
+    }
+
+    /// Lets every member know that this rank's collective `call` (sequence number `tag`)
+    /// failed with `e`, so that none waits for us until its deadline.
+    fn cancel(&self, call: &Call, dtype: DType, tag: u32, e: &Error) {
+        let desync = matches!(e, Error::Desync { .. });
+        let env = Envelope {
+            op: call.kind.name(),
+            dtype,
+            ctx: self.ctx + super::CTX_COLL,
+            tag,
+            fp: call.fingerprint(),
+        };
+        let lost = match e {
+            Error::PeerLost { peer, .. } => Some(*peer),
+            _ => None,
+        };
+        self.engine
+            .cancel_key(env, cancel_why(desync, lost), &self.members);
+    }
+}
+
+impl Backend for NativeBackend {
+    fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize, _timeout: Duration) -> Result<Posted> {
+        let g = self.global(env.op, dst)?;
+        Ok(self.posted(self.engine.isend(self.scoped(env), buf, g)))
+    }
+
+    fn irecv(
+        &self,
+        env: Envelope,
+        buf: BoxBuf,
+        src: Option<usize>,
+        _timeout: Duration,
+    ) -> Result<Posted> {
+        let g = match src {
+            Some(s) => Some(self.global(env.op, s)?),
+            None => None,
+        };
+        Ok(self.posted(self.engine.irecv(self.scoped(env), buf, g)))
+    }
+
+    fn send_small(&self, env: Envelope, data: &[u8], dst: usize) -> Small<()> {
+        let Ok(g) = self.global(env.op, dst) else {
+            return Small::Declined;
+        };
+        match self.engine.send_small(self.scoped(env), data, g) {
+            Fast::Declined => Small::Declined,
+            Fast::Done(r) => Small::Done(r.map(|_| ())),
+            Fast::Handed(id, cell) => Small::Posted(Posted {
+                cell,
+                driver: self.driver(),
+                id,
+                map: None,
+            }),
+        }
+    }
+
+    fn recv_small(&self, env: Envelope, out: &mut [u8], src: usize) -> Small<Status> {
+        let Ok(g) = self.global(env.op, src) else {
+            return Small::Declined;
+        };
+        match self.engine.recv_small(self.scoped(env), out, g) {
+            None => Small::Declined,
+            Some(r) => Small::Done(r),
+        }
+    }
+
+    fn collective(&self, c: CollCall, coll: Coll<'_>) -> Result<()> {
+        collectives::run(self, c, coll)
+    }
+
+    /// Dissemination: ⌈log₂ n⌉ rounds of zero-byte messages.
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let mut dist = 1;
+        let mut round = 0u32;
+        while dist < n {
+            let to = (me + dist) % n;
+            let from = (me + n - dist) % n;
+            let env = Envelope {
+                op: "barrier",
+                dtype: DType::U8,
+                ctx: CTX_BARRIER,
+                tag: round,
+                // A collective's fingerprint: the send completes once written, with no
+                // acknowledgement to wait for (half the time of a round).
+                fp: Fingerprint::BARRIER,
+            };
+            let r: Work<Vec<u8>> =
+                self.post_recv(env, Box::new(Vec::<u8>::new()), from, timeout)?;
+            let s: Work<Vec<u8>> = self.post_send(env, Box::new(Vec::<u8>::new()), to, timeout)?;
+            r.wait()?;
+            s.wait()?;
+            dist *= 2;
+            round += 1;
+        }
+        Ok(())
+    }
+
+    fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {
+        let Some(me) = how.me else {
+            return Ok(None);
+        };
+        let ctx = how
+            .id
+            .checked_mul(u64::from(CTX_PER_GROUP))
+            .and_then(|c| u32::try_from(c).ok())
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "new_group",
+                rank: self.rank,
+                detail: "too many groups".into(),
+            })?;
+        Ok(Some(Arc::new(NativeBackend {
+            engine: self.engine.clone(),
+            members: how.members.clone(),
+            rank: me,
+            ctx,
+            arena: None,
+            pool: Pool::default(),
+            config: self.config.clone(),
+        })))
+    }
+
+    fn collective_failed(&self, call: &Call, dtype: DType, tag: u32, e: &Error) {
+        self.cancel(call, dtype, tag, e);
+    }
+
+    fn abort(&self, reason: &str) {
+        self.engine.abort(reason);
+    }
+
+    fn addresses(&self, mem: Memory) -> bool {
+        let me = self.members[self.rank];
+        let mut links = self.members.iter().filter(|&&m| m != me);
+        LinkKind::Loopback.addresses(mem) && links.all(|&m| self.engine.link_kind(m).addresses(mem))
+    }
+
+    fn transport(&self) -> &'static str {
+        let me = self.members[self.rank];
+        let (mut shm, mut tcp) = (false, false);
+        for &m in self.members.iter().filter(|&&m| m != me) {
+            let k = self.engine.link_kind(m);
+            shm |= k == LinkKind::Shm;
+            tcp |= k == LinkKind::Tcp;
+        }
+        match (shm, tcp) {
+            (true, true) => "shm+tcp",
+            (true, false) => "shm",
+            (false, true) => "tcp",
+            (false, false) => "self",
+        }
+    }
+
+    fn transport_to(&self, peer: usize) -> &'static str {
+        match self.members.get(peer) {
+            Some(&g) => self.engine.link_kind(g).name(),
+            None => "none",
+        }
+    }
+
+    fn peer_failure(&self, peer: usize) -> Option<String> {
+        self.engine.peer_failure(*self.members.get(peer)?)
+    }
+
+    fn eager_max(&self) -> Option<usize> {
+        Some(self.engine.eager_max())
+    }
+
+    fn intranode_all_reduce(&self) -> bool {
+        self.arena.as_ref().is_some_and(|a| a.usable())
+    }
+}
+
+/// The reason word of a collective's cancellation (the transport carries it opaquely): bit 0
+/// a desync, bits 8.. the lost peer + 1 (0: none).
+fn cancel_why(desync: bool, lost: Option<usize>) -> u32 {
+    u32::from(desync) | lost.map_or(0, |p| (p as u32).saturating_add(1) << 8)
+}
+
+/// The error an operation of a cancelled collective gets (the engine's `cancel_error`): it
+/// names the lost peer when a peer's loss was the cause, the desync when one was found.
+pub(crate) fn cancelled_error(note: &CancelNote, op: &CancelledOp) -> Error {
+    let CancelledOp {
+        rank,
+        world,
+        op,
+        check,
+        dtype,
+    } = *op;
+    let desync = note.why & 1 == 1;
+    let lost = (note.why >> 8)
+        .checked_sub(1)
+        .map(|l| l as usize)
+        .filter(|&l| l < world);
+    let theirs = note.check.describe(note.dtype);
+    match (desync, note.by == rank) {
+        (false, false) if lost.is_some_and(|p| p != rank) => Error::PeerLost {
+            op,
+            rank,
+            peer: lost.unwrap_or(note.by),
+            reason: format!(
+                "rank {} lost its connection to it during collective {theirs} and cancelled \
+                 the collective",
+                note.by
+            ),
+        },
+        (true, false) => Error::Desync {
+            op,
+            rank,
+            peer: note.by,
+            ours: check.describe(dtype),
+            theirs: format!("{theirs}, which found a mismatch and cancelled"),
+        },
+        _ => Error::Aborted {
+            op,
+            rank,
+            reason: format!(
+                "rank {} failed collective {theirs} and cancelled it",
+                note.by
+            ),
+        },
+    }
+}

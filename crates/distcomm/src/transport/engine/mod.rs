@@ -1,6 +1,13 @@
 //! The progress engine: a full mesh of connections, each a TCP socket or a shared-memory link
-//! (`shm.rs`: rings in shared memory, with the socket kept for doorbells and peer death), all
-//! carrying the same frames and driven by one engine.
+//! (`shm`: rings in shared memory, with the socket kept for doorbells and peer death), all
+//! carrying the same frames and driven by one engine. The decisions (matching, which protocol,
+//! refusals, reassembly, cancelled keys) are the sans-I/O core's (`transport::protocol`); this
+//! module owns the state behind the lock (queues, pending sends, per-peer I/O state) and its
+//! submodules carry the decisions out: `recv` (headers and posts), `wire` (reading and writing
+//! frames), `lane`, `fetch` (cross-memory copies), `cancel`, `failure` (peer loss, abort,
+//! reclaim), `ops` (the `Engine` API) and `progress` (threads, spinning, `poll(2)`).
+//!
+//! It must not know what the layers above use contexts, tags or check words for.
 //!
 //! # Protocol
 //! Messages up to `eager_max` bytes travel inline (`Eager`); the receiver answers `Ack` once a

@@ -1,6 +1,6 @@
 #![no_main]
 //! The transport's frame header decoder: any 48 bytes, any eager limit.
-use distcomm::transport::frame::{Header, HEADER_LEN};
+use distcomm::__fuzz::frame::{Header, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,6 +1,6 @@
 #![no_main]
 //! The connection handshake's hello decoder and MAC check on arbitrary input.
-use distcomm::transport::handshake::{self, Hello, HELLO_LEN, TOKEN_LEN};
+use distcomm::__fuzz::handshake::{self, Hello, HELLO_LEN, TOKEN_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -88,6 +88,20 @@ pub mod reduce;
 pub mod rendezvous;
 pub mod staging;
 pub mod transport;
+/// Wire internals for the fuzz targets (`fuzz/`), which enable the `fuzzing` feature: not
+/// public API, no stability promise.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod __fuzz {
+    /// The frame header codec.
+    pub mod frame {
+        pub use crate::transport::frame::{DecodeError, Header, Kind, HEADER_LEN};
+    }
+    /// The connection handshake's hello codec and MAC.
+    pub mod handshake {
+        pub use crate::transport::handshake::{mac, verify, Hello, HELLO_LEN, TOKEN_LEN};
+    }
+}
 mod work;
 
 #[allow(deprecated)]

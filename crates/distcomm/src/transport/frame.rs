@@ -6,21 +6,18 @@
 //!      0    1 kind     (Eager, Rts, Cts, Data, Ack, Nack, Cancel, Rget)
 //!      1    1 dtype    (DType wire byte)
 //!      2    2 reserved (zero)
-//!      4    4 ctx      (communication context: user p2p, internal collectives, subgroups)
+//!      4    4 ctx      (communication context, chosen by the layer above)
 //!      8    4 tag
-//!     12    4 aux      (Nack: reason code; Eager: flags)
+//!     12    4 aux      (Nack: reason code; Eager: flags; Cancel: the canceller's reason word)
 //!     16    8 msg_id   (sender-chosen, unique per connection)
 //!     24    8 len      (payload bytes for Eager/Data; announced size for Rts/Rget; capacity for Nack)
-//!     32    1 fp.kind  (collective fingerprint: 0 for point-to-point)
-//!     33    1 fp.op    (reduce operator, 0 when none)
-//!     34    2 reserved (zero)
-//!     36    4 fp.root
-//!     40    8 fp.count (elements in the whole collective call)
+//!     32   16 fp       (the check word, opaque here: all zero for an ordinary message)
+//!                      laid out as kind (1), op (1), reserved zero (2), root (4), count (8)
 //! ```
 //!
-//! The fingerprint travels with every message of a collective (its sequence number is the tag),
-//! so a receiver matching a message of another collective, or of the same one called with other
-//! arguments, refuses it on both sides instead of delivering wrong data.
+//! The check word travels with every message; a receive whose own check word differs refuses
+//! the message on both sides instead of delivering wrong data (the layer above puts its call's
+//! fingerprint there, `crate::call`). The transport compares it, never interprets it.
 //!
 //! The decoder is pure (no I/O) and rejects anything out of bounds before any allocation.
 
@@ -49,8 +46,8 @@ pub enum Kind {
     Ack = 5,
     /// The receiver refused the message (`aux` says why).
     Nack = 6,
-    /// The collective (`ctx`, `tag`) failed on the sender (`fp`: its call; `aux` bit 0 for a
-    /// desync, bits 8.. the peer whose loss failed it + 1): fail everything of it here too.
+    /// The sender cancelled key (`ctx`, `tag`) (`fp`, `dtype`: its check word and element type;
+    /// `aux`: its opaque reason word): fail everything of that key here too.
     Cancel = 7,
     /// Request to fetch a large message (shared-memory links): like Rts, followed by an 8-byte
     /// payload, the address of the sender's buffer, which the receiver copies from directly;
@@ -64,8 +61,8 @@ pub enum Kind {
     Put = 10,
 }
 
-/// `aux` flag of an Eager frame: the sender does not wait for an Ack (collective messages,
-/// whose senders never wait for their small sends: a refusal cancels the whole collective).
+/// `aux` flag of an Eager frame: the sender does not wait for an Ack (scheduled messages, with
+/// a check word: the layer above handles a refusal by cancelling their key).
 pub const EAGER_NO_ACK: u32 = 1;
 
 /// `aux` flag of an Eager header that arrived through a shared-memory *lane* slot (see
@@ -102,14 +99,15 @@ pub enum NackReason {
     TooLarge = 1,
     /// The posted receive expects another element type; `dtype` carries it.
     DType = 2,
-    /// The posted receive belongs to another collective call; `fp` carries it.
-    Desync = 3,
-    /// The message belongs to a collective the receiver has cancelled.
+    /// The posted receive carries another check word, or is scheduled and expects another size
+    /// or element type; `fp`, `len` and `dtype` carry what it expected.
+    Mismatch = 3,
+    /// The message's key (context, tag) was cancelled at the receiver.
     Cancelled = 4,
 }
 
 /// The fingerprint vocabulary is the call module's: the frame carries it opaquely.
-pub use crate::call::{Fingerprint, KIND_NAMES, OP_NAMES};
+pub use crate::call::Fingerprint;
 
 /// A decoded header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -220,7 +218,7 @@ impl Header {
     }
 
     /// Decodes and validates the header of lane message `seq` of `len` bytes: the Eager header
-    /// it stands for ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for collective messages; `msg_id`
+    /// it stands for ([`LANE`] in `aux`, plus [`EAGER_NO_ACK`] for scheduled messages; `msg_id`
     /// = `seq`).
     pub fn decode_lane(b: &[u8; LANE_HEAD], seq: u64, len: usize) -> Result<Header, DecodeError> {
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);

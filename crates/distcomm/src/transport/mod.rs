@@ -1,15 +1,23 @@
 //! Transports: how bytes move between two ranks. They know nothing of collectives or of the API
 //! above them.
 //!
-//! * [`frame`]: the bounded wire header shared by the native transports;
-//! * `tcp`: the mesh and its progress engine, over sockets or shared-memory links;
+//! * `frame`: the bounded wire header shared by the native transports (wire internals, not
+//!   public API: the fuzz targets reach it through `distcomm::__fuzz`, feature `fuzzing`);
+//! * `protocol`: the sans-I/O core (matching, protocol choice, refusals, reassembly,
+//!   cancellation by key), unit-tested in one process;
+//! * `engine`: the progress engine that carries out the core's decisions over the links, and
+//!   its poll loop (`engine::progress`);
+//! * `link`: the byte stream to one peer, `tcp` (socket) or `shm` (rings and lane beside it);
 //! * `shm` (Linux): shared-memory links between ranks on one host, chosen automatically
 //!   ([`TransportKind`]);
 //! * `connect_mesh`: establishing the mesh through the rendezvous store, with the versioned,
-//!   authenticated [`handshake`] checked before any user buffer is touched.
+//!   authenticated `handshake` checked before any user buffer is touched.
 
-pub mod frame;
-pub mod handshake;
+pub(crate) mod engine;
+pub(crate) mod frame;
+pub(crate) mod handshake;
+pub(crate) mod link;
+pub(crate) mod protocol;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;
@@ -97,6 +105,9 @@ use crate::rendezvous::Store;
 use handshake::{Hello, HELLO_LEN, TOKEN_LEN};
 
 pub use crate::config::TransportKind;
+/// Largest message a shared-memory peer's lane carries (blocking sends up to it take the lane).
+pub use frame::LANE_MAX;
+pub(crate) use protocol::cancel::{CancelNote, CancelledOp};
 
 /// What carries the bytes towards one peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

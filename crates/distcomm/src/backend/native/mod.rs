@@ -32,7 +32,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::transport::tcp::{Engine, Fast};
-use crate::transport::{Envelope, LinkKind};
+use crate::transport::{CancelNote, CancelledOp, Envelope, LinkKind};
 use crate::work::{BoxBuf, Driver, Status, Work};
 
 /// One group on the native engine.
@@ -152,7 +152,7 @@ impl NativeBackend {
             _ => None,
         };
         self.engine
-            .cancel_collective(env, desync, lost, &self.members);
+            .cancel_key(env, cancel_why(desync, lost), &self.members);
     }
 
     /// Dissemination: ⌈log₂ n⌉ rounds of zero-byte messages.
@@ -305,5 +305,56 @@ impl Backend for NativeBackend {
 
     fn intranode_all_reduce(&self) -> bool {
         self.arena.as_ref().is_some_and(|a| a.usable())
+    }
+}
+
+/// The reason word of a collective's cancellation (the transport carries it opaquely): bit 0
+/// a desync, bits 8.. the lost peer + 1 (0: none).
+fn cancel_why(desync: bool, lost: Option<usize>) -> u32 {
+    u32::from(desync) | lost.map_or(0, |p| (p as u32).saturating_add(1) << 8)
+}
+
+/// The error an operation of a cancelled collective gets (the engine's `cancel_error`): it
+/// names the lost peer when a peer's loss was the cause, the desync when one was found.
+pub(crate) fn cancelled_error(note: &CancelNote, op: &CancelledOp) -> Error {
+    let CancelledOp {
+        rank,
+        world,
+        op,
+        check,
+        dtype,
+    } = *op;
+    let desync = note.why & 1 == 1;
+    let lost = (note.why >> 8)
+        .checked_sub(1)
+        .map(|l| l as usize)
+        .filter(|&l| l < world);
+    let theirs = note.check.describe(note.dtype);
+    match (desync, note.by == rank) {
+        (false, false) if lost.is_some_and(|p| p != rank) => Error::PeerLost {
+            op,
+            rank,
+            peer: lost.unwrap_or(note.by),
+            reason: format!(
+                "rank {} lost its connection to it during collective {theirs} and cancelled \
+                 the collective",
+                note.by
+            ),
+        },
+        (true, false) => Error::Desync {
+            op,
+            rank,
+            peer: note.by,
+            ours: check.describe(dtype),
+            theirs: format!("{theirs}, which found a mismatch and cancelled"),
+        },
+        _ => Error::Aborted {
+            op,
+            rank,
+            reason: format!(
+                "rank {} failed collective {theirs} and cancelled it",
+                note.by
+            ),
+        },
     }
 }

@@ -67,6 +67,7 @@ impl Native<'_> {
             yield_spin: oversubscribed,
             sockbuf: env.sockbuf,
             data_chunk: env.data_chunk.map(|b| b.max(1)),
+            cancel_error: super::cancelled_error,
         };
         let all_shm = links
             .iter()

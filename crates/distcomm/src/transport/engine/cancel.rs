@@ -1,0 +1,73 @@
+//! Cancellation by key (context, tag): a key cancelled here (`Engine::cancel_key`) or by a
+//! peer (a Cancel frame) fails its operations and refuses its later messages (Nack
+//! `Cancelled`), so that their senders' operations end too.
+//!
+//! Owns the Cancel frame; the note it carries and the errors of cancelled operations belong to
+//! the layer that cancels (the configuration's `cancel_error`).
+
+use super::*;
+
+impl State {
+    /// The error of operation `op` (check word `check`, `dtype`) of a key cancelled by `note`.
+    pub(super) fn cancelled_error(
+        &self,
+        note: &CancelNote,
+        op: &'static str,
+        check: Fingerprint,
+        dtype: DType,
+    ) -> Error {
+        let what = CancelledOp {
+            rank: self.rank,
+            world: self.peers.len(),
+            op,
+            check,
+            dtype,
+        };
+        (self.cancel_error)(note, &what)
+    }
+
+    /// Refuses a message of a cancelled key, so that its sender's operation ends.
+    pub(super) fn refuse_cancelled(&mut self, src: usize, h: &Header) {
+        let refusal = Refusal {
+            reason: NackReason::Cancelled,
+            cap: 0,
+            dtype: h.dtype,
+            fp: Fingerprint::NONE,
+        };
+        self.answer(src, h, Some(refusal));
+    }
+
+    /// Cancels key (`h.ctx`, `h.tag`) for `note` (here or from peer `note.by`): fails our
+    /// operations of it and refuses its messages, those here and those to come.
+    pub(super) fn cancel_key(&mut self, key: Key, note: CancelNote) {
+        for r in self.matcher.withdraw_posted(|r| (r.ctx, r.tag) == key) {
+            let e = self.cancelled_error(&note, r.op, r.fp, r.dtype);
+            r.cell.complete(Err(e), None);
+        }
+        // Our sends of it fail now; their entries stay until the peer's reply (which may still
+        // come) so that the reply is not mistaken for a protocol violation.
+        for s in self.sends.values().filter(|s| (s.ctx, s.tag) == key) {
+            let e = self.cancelled_error(&note, s.op, s.fp, s.dtype);
+            s.cell.complete(Err(e), None);
+        }
+        // Messages of it already here will never be received: refuse them.
+        let dropped = self
+            .matcher
+            .withdraw_unexpected(|u| (u.hdr.ctx, u.hdr.tag) == key);
+        for u in dropped {
+            self.refuse_cancelled(u.src, &u.hdr);
+        }
+        self.cancelled.cancel(key, note);
+    }
+
+    /// Peer `p` cancelled key (`h.ctx`, `h.tag`) (a Cancel frame: `aux` is its reason word).
+    pub(super) fn cancelled_by_peer(&mut self, p: usize, h: &Header) {
+        let note = CancelNote {
+            by: p,
+            check: h.fp,
+            dtype: h.dtype,
+            why: h.aux,
+        };
+        self.cancel_key((h.ctx, h.tag), note);
+    }
+}

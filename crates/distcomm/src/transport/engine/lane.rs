@@ -1,0 +1,299 @@
+//! The shared-memory lane: small messages in slots polled where they arrive, answered in an
+//! answer word instead of an Ack frame; the blocking fast paths (`Engine::send_small`,
+//! `Engine::recv_small`) and the ordering rules that let a message take the lane without
+//! overtaking one on the ring.
+//!
+//! Owns the answer words we wait on; knows the lane's API (`shm`), not its memory layout.
+
+use super::*;
+
+impl State {
+    /// The link to `p` when it is a shared-memory one (its socket carries the doorbell), with
+    /// its shared-memory side.
+    pub(super) fn shm_link(&self, p: usize) -> Option<(&Link, &ShmLink)> {
+        let link = &self.peers.get(p)?.as_ref()?.link;
+        Some((link, link.shm.as_ref()?))
+    }
+
+    /// Writes the answer word of lane message `seq` from `p`, ringing `p` if it sleeps.
+    pub(super) fn lane_answer(&mut self, p: usize, seq: u64, refused: bool) {
+        if let Some((link, shm)) = self.shm_link(p) {
+            if shm.lane_answer(seq, refused) {
+                link.ring();
+            }
+        }
+    }
+
+    /// Sends a small message through the lane of shared-memory peer `p` if the ordering rules
+    /// allow it now: nothing queued for the ring (the lane itself refuses while ring bytes are
+    /// unread), a free slot, and a free answer word when `owner` waits for the answer. Returns
+    /// its sequence number; `None` leaves the message to the ring.
+    pub(super) fn lane_send(
+        &mut self,
+        p: usize,
+        h: &Header,
+        data: &[u8],
+        owner: Owner,
+    ) -> Option<u64> {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return None;
+        };
+        let link = peer.link.shm.as_ref()?;
+        if peer.dead.is_some() || !peer.out.is_empty() || !choice::lane_fits(data.len()) {
+            return None;
+        }
+        // The answer word this message would use is free, or not needed.
+        let at = (link.next_lane_seq() % LANE_ACKS) as usize;
+        let free = matches!(owner, Owner::Nobody)
+            || match peer.lane_waits.get(at)? {
+                None => true,
+                Some(LaneWait::Caller { seq, .. }) => link.answered(*seq) == Some(true),
+                Some(LaneWait::Op { .. }) => false,
+            };
+        if !free {
+            return None;
+        }
+        let (seq, ring) = match link.lane_send(&h.encode_lane(), data) {
+            Ok(sent) => sent?,
+            Err(e) => {
+                self.mark_dead(p, e.to_string());
+                return None;
+            }
+        };
+        if ring {
+            peer.link.ring();
+        }
+        match owner {
+            Owner::Nobody => {}
+            Owner::Op(id) => {
+                peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
+                peer.lane_ops += 1;
+            }
+            Owner::Caller => peer.lane_waits[at] = Some(LaneWait::Caller { seq, nack: None }),
+        }
+        Some(seq)
+    }
+
+    /// The next message of `p`'s lane, if one is there, with its decoded header; nothing is
+    /// taken until [`State::lane_release`].
+    pub(super) fn lane_peek(
+        &self,
+        p: usize,
+    ) -> std::result::Result<Option<(Header, LaneMsg)>, String> {
+        let Some((_, link)) = self.shm_link(p) else {
+            return Ok(None);
+        };
+        let mut head = [0u8; LANE_HEAD];
+        let Some(m) = link.lane_peek(&mut head).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        let h = Header::decode_lane(&head, m.seq, m.len)
+            .map_err(|e| format!("protocol violation: {}", e.0))?;
+        Ok(Some((h, m)))
+    }
+
+    /// Copies the payload of lane message `m` from `p` into `dst`.
+    pub(super) fn lane_copy(&self, p: usize, m: LaneMsg, dst: &mut [u8]) {
+        if let Some((_, link)) = self.shm_link(p) {
+            link.lane_copy(m, dst);
+        }
+    }
+
+    /// Releases lane message `m` from `p`; with `accept`, also writes its answer word
+    /// "accepted" (one fence for both).
+    pub(super) fn lane_release(&mut self, p: usize, m: LaneMsg, accept: bool) {
+        if let Some((link, shm)) = self.shm_link(p) {
+            if shm.lane_release(m, accept.then_some(false)) {
+                link.ring();
+            }
+        }
+    }
+
+    /// Takes every message waiting in shared-memory peer `p`'s lane, in order. Called before
+    /// reading its ring: a lane message is never behind unread ring bytes (see `shm`).
+    pub(super) fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut any = false;
+        while let Some((h, m)) = self.lane_peek(p)? {
+            any = true;
+            self.lane_deliver(p, h, m);
+        }
+        Ok(any)
+    }
+
+    /// Takes lane message `m` from `p` and delivers it like an eager frame's payload.
+    pub(super) fn lane_deliver(&mut self, p: usize, h: Header, m: LaneMsg) {
+        let mut data = vec![0u8; m.len];
+        self.lane_copy(p, m, &mut data);
+        self.lane_release(p, m, false);
+        if self.cancelled.contains((h.ctx, h.tag)) {
+            self.refuse_cancelled(p, &h);
+        } else {
+            self.deliver_eager(p, h, data);
+        }
+    }
+
+    /// Completes our lane sends to `p` whose answer word says accepted.
+    pub(super) fn poll_lane_acks(&mut self, p: usize) {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return;
+        };
+        let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
+            return;
+        };
+        let mut done = Vec::new();
+        for w in peer.lane_waits.iter_mut() {
+            if let Some(LaneWait::Op { seq, id }) = *w {
+                if link.answered(seq) == Some(true) {
+                    *w = None;
+                    done.push(id);
+                }
+            }
+        }
+        peer.lane_ops -= done.len();
+        for id in done {
+            if let Some(s) = self.sends.remove(&id) {
+                s.cell.complete(Ok(s.status(p)), s.buf);
+            }
+        }
+    }
+
+    /// `p` refused our lane message `h.msg_id` (a sequence number): fail the send waiting for
+    /// it, or keep the refusal for the blocking caller that watches it.
+    pub(super) fn lane_refused(&mut self, p: usize, h: Header) -> std::result::Result<Rx, String> {
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return Ok(Rx::Header);
+        };
+        let h = Header {
+            aux: h.aux & !LANE,
+            ..h
+        };
+        let Some(w) = peer.lane_waits.get_mut((h.msg_id % LANE_ACKS) as usize) else {
+            return Ok(Rx::Header);
+        };
+        match w {
+            Some(LaneWait::Op { seq, id }) if *seq == h.msg_id => {
+                let id = *id;
+                *w = None;
+                peer.lane_ops -= 1;
+                self.on_header(p, Header { msg_id: id, ..h })
+            }
+            Some(LaneWait::Caller { seq, nack }) if *seq == h.msg_id => {
+                *nack = Some(h);
+                Ok(Rx::Header)
+            }
+            // A message nobody waits an answer for (a scheduled one).
+            _ => Ok(Rx::Header),
+        }
+    }
+
+    /// A blocking receive (`env`, into `out`) from shared-memory peer `p`, taken straight from
+    /// its lane if nothing can come before it: no earlier receive of this (source, tag) is
+    /// posted, none of its messages is queued, `p`'s ring holds no half-read frame. Messages of
+    /// other tags that come first are delivered as usual.
+    pub(super) fn recv_from_lane(&mut self, p: usize, env: &Envelope, out: &mut [u8]) -> LaneRecv {
+        let idle = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none()
+            && peer.link.shm.is_some()
+            && matches!(peer.rx, Rx::Header)
+            && peer.rx_start == peer.rx_end);
+        let (ctx, tag) = (env.ctx, env.tag);
+        if !idle
+            || self.closed.is_some()
+            || self.matcher.posted_could_take(p, (ctx, tag))
+            || self.matcher.unexpected_from(p, (ctx, tag))
+        {
+            return LaneRecv::Declined;
+        }
+        loop {
+            let (h, m) = match self.lane_peek(p) {
+                Ok(Some(msg)) => msg,
+                Ok(None) => return LaneRecv::Empty,
+                Err(reason) => {
+                    self.mark_dead(p, reason);
+                    return LaneRecv::Declined;
+                }
+            };
+            if (h.ctx, h.tag) != (ctx, tag) {
+                self.lane_deliver(p, h, m);
+                continue;
+            }
+            let cap = out.len() as u64;
+            return LaneRecv::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
+                Ok(()) => {
+                    self.lane_copy(p, m, &mut out[..m.len]);
+                    // Accepted: the answer word goes with the slots' release.
+                    self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+                    Ok(Status {
+                        peer: p,
+                        tag,
+                        bytes: m.len,
+                    })
+                }
+                Err((e, reason)) => {
+                    self.lane_release(p, m, false);
+                    let refusal = Refusal {
+                        reason,
+                        cap,
+                        dtype: env.dtype,
+                        fp: env.fp,
+                    };
+                    self.answer(p, &h, Some(refusal));
+                    Err(e)
+                }
+            });
+        }
+    }
+
+    /// The caller of a blocking lane send (`seq` to `p`) stops watching its answer word: the
+    /// outcome if it is known, otherwise a send the engine completes when the answer comes.
+    pub(super) fn adopt_lane_send(
+        &mut self,
+        p: usize,
+        seq: u64,
+        env: &Envelope,
+        len: usize,
+    ) -> Fast {
+        let rank = self.rank;
+        let status = Status {
+            peer: p,
+            tag: env.tag,
+            bytes: len,
+        };
+        let at = (seq % LANE_ACKS) as usize;
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return Fast::Done(Ok(status));
+        };
+        let nack = match peer.lane_waits.get(at) {
+            Some(Some(LaneWait::Caller { seq: s, nack })) if *s == seq => *nack,
+            // Its word was reused: that needs the answer "accepted".
+            _ => return Fast::Done(Ok(status)),
+        };
+        let accepted = peer.link.shm.as_ref().and_then(|l| l.answered(seq)) == Some(true);
+        if accepted || nack.is_some() {
+            peer.lane_waits[at] = None;
+        }
+        if accepted {
+            return Fast::Done(Ok(status));
+        }
+        let id = self.alloc_id();
+        let cell = Arc::new(OpCell::default());
+        let pending = env.pending(p, len, cell.clone());
+        if let Some(h) = nack {
+            self.sends.insert(id, pending);
+            let _ = self.on_header(p, Header { msg_id: id, ..h });
+            return Fast::Handed(id, cell);
+        }
+        if let Some(reason) = self.dead_reason(p) {
+            return Fast::Done(Err(peer_lost(env.op, rank, p, &reason)));
+        }
+        if let Some(reason) = self.closed.clone() {
+            let op = env.op;
+            return Fast::Done(Err(Error::Aborted { op, rank, reason }));
+        }
+        if let Some(Some(peer)) = self.peers.get_mut(p) {
+            peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
+            peer.lane_ops += 1;
+        }
+        self.sends.insert(id, pending);
+        Fast::Handed(id, cell)
+    }
+}

@@ -1,0 +1,468 @@
+//! The engine's operations: start, post sends and receives (choosing each message's protocol
+//! with `choice`), cancel a key, abort, reclaim buffers, the blocking lane fast paths, and the
+//! polite shutdown on drop.
+//!
+//! What callers above the transport see of it: `Engine`, `Envelope`, `EngineConfig`, `Fast`.
+
+use super::*;
+
+impl Engine {
+    /// Takes over a connected mesh (`streams[rank]` is `None`) and starts the progress thread.
+    /// `links[p]` is the shared-memory link to `p`, if it has one.
+    pub(crate) fn start(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        links: Vec<Option<ShmLink>>,
+        cfg: EngineConfig,
+    ) -> Result<Arc<Engine>> {
+        let mut peers = Vec::with_capacity(streams.len());
+        let mut links = links.into_iter();
+        for s in streams {
+            let shm = links.next().flatten();
+            peers.push(match s {
+                None => None,
+                Some(stream) => {
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(|e| Error::io("set socket nonblocking", e))?;
+                    stream
+                        .set_nodelay(true)
+                        .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+                    let shm_peer = shm.is_some();
+                    let local = same_host(&stream) || shm_peer;
+                    let sockbuf = cfg.sockbuf.unwrap_or(if local { LOCAL_SOCKBUF } else { 0 });
+                    if sockbuf > 0 && shm.is_none() {
+                        set_buffers(&stream, sockbuf)?;
+                    }
+                    Some(Peer {
+                        link: Link { stream, shm },
+                        out: VecDeque::new(),
+                        out_off: 0,
+                        rx: Rx::Header,
+                        rxbuf: vec![0u8; RXBUF].into_boxed_slice(),
+                        rx_start: 0,
+                        rx_end: 0,
+                        dead: None,
+                        chunk: cfg.data_chunk.unwrap_or(if local {
+                            LOCAL_DATA_CHUNK
+                        } else {
+                            DATA_CHUNK
+                        }),
+                        lane_waits: (0..if shm_peer { LANE_ACKS } else { 0 })
+                            .map(|_| None)
+                            .collect(),
+                        lane_ops: 0,
+                    })
+                }
+            });
+        }
+        let watch = peers
+            .iter()
+            .map(|p| p.as_ref()?.link.shm.as_ref().map(ShmLink::watch))
+            .collect();
+        let (wake_tx, wake_rx) =
+            UnixStream::pair().map_err(|e| Error::io("create wake pipe", e))?;
+        for s in [&wake_tx, &wake_rx] {
+            s.set_nonblocking(true)
+                .map_err(|e| Error::io("set wake pipe nonblocking", e))?;
+        }
+        let sh = Arc::new(Shared {
+            rank,
+            st: Mutex::new(State {
+                rank,
+                limits: Limits {
+                    eager_max: cfg.eager_max,
+                    shm_eager_max: cfg.shm_eager_max,
+                },
+                peers,
+                matcher: Matcher::default(),
+                sends: HashMap::default(),
+                rdv: Reassembly::default(),
+                lent: HashMap::new(),
+                next_id: 0,
+                closed: None,
+                cancelled: Cancelled::default(),
+                cancel_error: cfg.cancel_error,
+            }),
+            watch,
+            wake_tx,
+            wake_rx,
+            spinning: AtomicU64::new(0),
+            watching: AtomicBool::new(false),
+            handoff: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            spin: cfg.spin,
+            yield_spin: cfg.yield_spin,
+        });
+        let sh2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("distcomm-progress-{rank}"))
+            .spawn(move || sh2.run_progress_thread())
+            .map_err(|e| Error::io("spawn progress thread", e))?;
+        Ok(Arc::new(Engine {
+            sh,
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// Posts a send. The buffer is owned by the engine until the returned cell completes.
+    pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
+        #[cfg(feature = "trace-messages")]
+        trace_post("isend", self.sh.rank, Some(dst), &env, buf.bytes().len());
+        let op = env.op;
+        let cell = Arc::new(OpCell::default());
+        let mut st = self.sh.lock();
+        let id = st.alloc_id();
+        let len = buf.bytes().len();
+        let hdr = env.eager(id, len);
+        let mut pending = env.pending(dst, len, cell.clone());
+        if let Some(reason) = st.closed.clone() {
+            let e = Error::Aborted {
+                op,
+                rank: self.sh.rank,
+                reason,
+            };
+            cell.complete(Err(e), None);
+            return (id, cell);
+        }
+        if dst == self.sh.rank {
+            let data = buf.bytes().to_vec();
+            pending.buf = Some(buf);
+            st.sends.insert(id, pending);
+            st.deliver_eager(dst, hdr, data);
+            return (id, cell);
+        }
+        if let Some(reason) = st.dead_reason(dst) {
+            cell.complete(Err(peer_lost(op, self.sh.rank, dst, &reason)), None);
+            return (id, cell);
+        }
+        // A small message to a shared-memory peer goes through its lane when it may.
+        if choice::lane_fits(len) {
+            let waits = pending.waits_for_ack();
+            let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
+            if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
+                if waits {
+                    pending.buf = Some(buf);
+                    st.sends.insert(id, pending);
+                } else {
+                    cell.complete(Ok(pending.status(dst)), Some(buf));
+                }
+                return (id, cell);
+            }
+        }
+        // A large message to a shared-memory peer is fetched by the receiver straight from our
+        // buffer (never from a view of the caller's memory: the engine cannot stop a copy
+        // under way in another process if the caller takes that memory back).
+        let fetchable = !buf.is_view()
+            && matches!(st.peers.get(dst), Some(Some(p)) if p.link.cma_pid().is_some());
+        // Such a copy (by both sides at once) beats two copies through the ring from
+        // `shm_eager_max` bytes on.
+        let wire = st.limits.wire(len, fetchable);
+        let out = if wire == Wire::Eager {
+            let aux = if pending.waits_for_ack() {
+                0
+            } else {
+                EAGER_NO_ACK
+            };
+            Out {
+                hdr: Header { aux, ..hdr }.encode(),
+                kind: Kind::Eager,
+                payload: Some(buf),
+                base: 0,
+                plen: len,
+                send_id: Some(id),
+            }
+        } else if wire == Wire::Fetch {
+            let addr = buf.bytes().as_ptr() as u64;
+            pending.buf = Some(buf);
+            pending.lent = true;
+            Out {
+                hdr: Header {
+                    kind: Kind::Rget,
+                    ..hdr
+                }
+                .encode(),
+                kind: Kind::Rget,
+                payload: Some(Box::new(addr.to_le_bytes().to_vec())),
+                base: 0,
+                plen: RGET_PAYLOAD,
+                send_id: Some(id),
+            }
+        } else {
+            pending.buf = Some(buf);
+            Out {
+                hdr: Header {
+                    kind: Kind::Rts,
+                    ..hdr
+                }
+                .encode(),
+                kind: Kind::Rts,
+                payload: None,
+                base: 0,
+                plen: 0,
+                send_id: Some(id),
+            }
+        };
+        st.sends.insert(id, pending);
+        st.push_out(dst, out);
+        if let Err(reason) = st.pump_tx(dst) {
+            st.mark_dead(dst, reason);
+        }
+        let backlog = matches!(st.peers.get(dst), Some(Some(p)) if !p.out.is_empty());
+        drop(st);
+        self.nudge(backlog);
+        (id, cell)
+    }
+
+    /// Posts a receive from `src` (`None`: any source).
+    pub(crate) fn irecv(
+        &self,
+        env: Envelope,
+        buf: BoxBuf,
+        src: Option<usize>,
+    ) -> (u64, Arc<OpCell>) {
+        #[cfg(feature = "trace-messages")]
+        trace_post("irecv", self.sh.rank, src, &env, buf.bytes().len());
+        let Envelope {
+            op,
+            dtype,
+            ctx,
+            tag,
+            fp,
+        } = env;
+        let cell = Arc::new(OpCell::default());
+        let mut st = self.sh.lock();
+        let id = st.alloc_id();
+        st.post_recv(Posted {
+            id,
+            op,
+            src,
+            ctx,
+            tag,
+            dtype,
+            fp,
+            buf,
+            cell: cell.clone(),
+        });
+        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        drop(st);
+        self.nudge(backlog);
+        (id, cell)
+    }
+
+    /// After posting: if frames wait to be written and the progress thread sleeps on the
+    /// sockets with an interest set that predates them, wake it so that it watches for
+    /// writability. While waiters spin (or just spun) they write the backlog themselves, and a
+    /// reply left queued there usually leaves together with the next message.
+    pub(super) fn nudge(&self, backlog: bool) {
+        if backlog && self.sh.watching.load(Ordering::Acquire) {
+            self.sh.poke();
+        }
+    }
+
+    /// Cancels key (`env.ctx`, `env.tag`) here and tells `peers` (global ranks), so that their
+    /// operations of it fail too instead of waiting for us; refuses its later messages here.
+    /// `why` is the caller's reason word, carried opaquely to `EngineConfig::cancel_error`
+    /// here and on every peer, with `env`'s check word and element type.
+    pub(crate) fn cancel_key(&self, env: Envelope, why: u32, peers: &[usize]) {
+        let Envelope {
+            dtype,
+            ctx,
+            tag,
+            fp,
+            ..
+        } = env;
+        let mut st = self.sh.lock();
+        let note = CancelNote {
+            by: self.sh.rank,
+            check: fp,
+            dtype,
+            why,
+        };
+        st.cancelled.cancel((ctx, tag), note);
+        let hdr = Header {
+            kind: Kind::Cancel,
+            dtype,
+            ctx,
+            tag,
+            aux: why,
+            msg_id: 0,
+            len: 0,
+            fp,
+        };
+        for &p in peers.iter().filter(|&&p| p != self.sh.rank) {
+            st.push_out(
+                p,
+                Out {
+                    hdr: hdr.encode(),
+                    kind: Kind::Cancel,
+                    payload: None,
+                    base: 0,
+                    plen: 0,
+                    send_id: None,
+                },
+            );
+            if let Err(reason) = st.pump_tx(p) {
+                st.mark_dead(p, reason);
+            }
+        }
+        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        drop(st);
+        self.nudge(backlog);
+    }
+
+    /// Fails every pending operation and refuses new ones.
+    pub(crate) fn abort(&self, reason: &str) {
+        self.sh.lock().abort_all(reason);
+        self.sh.poke();
+    }
+
+    /// Makes the engine let go of the buffers of operations `ids` (views of memory it does not
+    /// own): queued or half-written sends get an owned copy of their data, receives not yet
+    /// started are withdrawn, and receives under way continue into owned scratch memory (their
+    /// data is discarded). Unfinished receives among them fail. Afterwards nothing in the engine
+    /// points into the caller's memory.
+    pub(crate) fn reclaim(&self, ids: &[u64]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut st = self.sh.lock();
+        st.reclaim(ids);
+    }
+
+    /// Largest message sent without the receiver-ready handshake.
+    pub(crate) fn eager_max(&self) -> usize {
+        self.sh.lock().limits.eager_max
+    }
+
+    /// What carries messages to global rank `peer`.
+    pub(crate) fn link_kind(&self, peer: usize) -> LinkKind {
+        match self.sh.lock().peers.get(peer) {
+            Some(Some(p)) if p.link.shm.is_some() => LinkKind::Shm,
+            Some(Some(_)) => LinkKind::Tcp,
+            _ => LinkKind::Loopback,
+        }
+    }
+
+    /// Whether the connection to `peer` has failed, and why.
+    pub(crate) fn peer_failure(&self, peer: usize) -> Option<String> {
+        self.sh.lock().dead_reason(peer)
+    }
+
+    /// A blocking send of a small point-to-point message (`data`, at most `LANE_MAX` bytes)
+    /// to shared-memory peer `dst` through its lane, the caller watching the answer word itself:
+    /// no handle, no allocation, no acknowledgement frame. Declined (nothing sent) when the
+    /// lane cannot take it now; handed to the engine when the answer is slow to come.
+    pub(crate) fn send_small(&self, env: Envelope, data: &[u8], dst: usize) -> Fast {
+        #[cfg(feature = "trace-messages")]
+        trace_post("send (lane)", self.sh.rank, Some(dst), &env, data.len());
+        let Some(Some(watch)) = self.sh.watch.get(dst) else {
+            return Fast::Declined;
+        };
+        if !choice::lane_fits(data.len()) || refusal::scheduled(env.fp) {
+            return Fast::Declined;
+        }
+        let h = env.eager(0, data.len());
+        let sent = {
+            let mut st = self.sh.lock();
+            if st.closed.is_some() {
+                None
+            } else {
+                st.lane_send(dst, &h, data, Owner::Caller)
+            }
+        };
+        let Some(seq) = sent else {
+            return Fast::Declined;
+        };
+        self.fast_wait(|| watch.answered(seq).is_some());
+        if watch.answered(seq) == Some(true) {
+            return Fast::Done(Ok(Status {
+                peer: dst,
+                tag: env.tag,
+                bytes: data.len(),
+            }));
+        }
+        self.sh.lock().adopt_lane_send(dst, seq, &env, data.len())
+    }
+
+    /// A blocking receive of a point-to-point message from shared-memory peer `src` straight
+    /// from its lane into `out`, when nothing can come before it (see
+    /// `State::recv_from_lane`) and it arrives within a short spin. `None`: nothing was
+    /// received; the caller takes the general path.
+    pub(crate) fn recv_small(
+        &self,
+        env: Envelope,
+        out: &mut [u8],
+        src: usize,
+    ) -> Option<Result<Status>> {
+        #[cfg(feature = "trace-messages")]
+        trace_post("recv (lane)", self.sh.rank, Some(src), &env, out.len());
+        let Some(Some(watch)) = self.sh.watch.get(src) else {
+            return None;
+        };
+        let mut waited = false;
+        loop {
+            match self.sh.lock().recv_from_lane(src, &env, out) {
+                LaneRecv::Got(r) => return Some(r),
+                LaneRecv::Empty if !waited => {}
+                LaneRecv::Empty | LaneRecv::Declined => return None,
+            }
+            // Ring bytes come first: the engine reads those.
+            if watch.ring_incoming() || !self.fast_wait(|| watch.incoming()) {
+                return None;
+            }
+            waited = true;
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.sh.stop.store(true, Ordering::Release);
+        self.sh.poke();
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+        let mut st = self.sh.lock();
+        // Let queued frames (acks, last sends) go out, then close politely: half-close, and
+        // drain until every peer has closed too, so that no unread data turns our close into a
+        // reset that would destroy data the peer has not read yet.
+        let linger = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < linger
+            && (st
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| p.dead.is_none() && !p.out.is_empty())
+                || !st.lent.is_empty()
+                || st.sends.values().any(|s| s.lent))
+        {
+            st.progress(true);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        st.abort_all("process group shut down");
+        // A peer that never answered may still copy from or into these buffers: leak them
+        // rather than hand the memory back to the allocator.
+        for (_, l) in st.lent.drain() {
+            std::mem::forget(l.r.buf);
+        }
+        for (_, s) in st.sends.drain() {
+            std::mem::forget(s.buf);
+        }
+        for peer in st.peers.iter_mut().flatten() {
+            if peer.dead.is_some() {
+                continue;
+            }
+            let stream = &mut peer.link.stream;
+            let _ = stream.shutdown(Shutdown::Write);
+            let _ = stream.set_nonblocking(false);
+            let left = linger
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(10));
+            let _ = stream.set_read_timeout(Some(left));
+            let mut sink = [0u8; 4096];
+            while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! Moving frames: reading a peer's link into headers and payloads (into the receive they
+//! belong to, or a temporary), writing queued frames with vectored writes, and what a frame
+//! written completes (eager sends, Data chunks of a large message).
+//!
+//! Knows frames and the link's read/write; the meaning of a header is `recv`'s.
+
+use super::*;
+
+impl State {
+    /// Reads and dispatches everything peer `p` has sent, up to a budget.
+    pub(super) fn pump_rx(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut progressed = false;
+        let mut budget = READ_BUDGET;
+        loop {
+            let Some(Some(peer)) = self.peers.get_mut(p) else {
+                return Ok(progressed);
+            };
+            let rx = std::mem::replace(&mut peer.rx, Rx::Header);
+            match rx {
+                Rx::Header => {
+                    if peer.rx_end - peer.rx_start >= HEADER_LEN {
+                        let mut raw = [0u8; HEADER_LEN];
+                        raw.copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + HEADER_LEN]);
+                        peer.rx_start += HEADER_LEN;
+                        let h = Header::decode(&raw, self.limits.eager_max as u64)
+                            .map_err(|e| format!("protocol violation: {}", e.0))?;
+                        let next = self.on_header(p, h)?;
+                        if let Some(Some(peer)) = self.peers.get_mut(p) {
+                            peer.rx = next;
+                        }
+                        progressed = true;
+                        continue;
+                    }
+                    if budget == 0 {
+                        return Ok(progressed);
+                    }
+                    let want = HEADER_LEN - (peer.rx_end - peer.rx_start);
+                    match peer.fill(want)? {
+                        Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Empty => return Ok(progressed),
+                    }
+                }
+                Rx::Payload {
+                    hdr,
+                    mut target,
+                    mut got,
+                    chunk,
+                } => {
+                    let total = hdr.payload_len() as usize;
+                    if got == total {
+                        match chunk {
+                            Some(at) => self.on_chunk_done(p, hdr, target, at),
+                            None => self.on_payload_done(p, hdr, target),
+                        }
+                        progressed = true;
+                        continue;
+                    }
+                    let base = chunk.map_or(0, |(base, _)| base);
+                    let dst: &mut [u8] = match &mut target {
+                        Target::Recv(r) => &mut r.buf.bytes_mut()[base + got..base + total],
+                        Target::Temp(v) => &mut v[got..total],
+                        Target::Discard => &mut [],
+                    };
+                    let avail = peer.rx_end - peer.rx_start;
+                    if avail > 0 {
+                        let n = avail.min(total - got);
+                        if !dst.is_empty() {
+                            dst[..n].copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + n]);
+                        }
+                        peer.rx_start += n;
+                        got += n;
+                        peer.rx = Rx::Payload {
+                            hdr,
+                            target,
+                            got,
+                            chunk,
+                        };
+                        progressed = true;
+                        continue;
+                    }
+                    if budget == 0 {
+                        peer.rx = Rx::Payload {
+                            hdr,
+                            target,
+                            got,
+                            chunk,
+                        };
+                        return Ok(progressed);
+                    }
+                    let r =
+                        if dst.len() >= RXBUF / 2 || (peer.link.shm.is_some() && !dst.is_empty()) {
+                            peer.link.read(dst).map(|f| {
+                                if let Fill::Got(n) = f {
+                                    got += n;
+                                }
+                                f
+                            })
+                        } else {
+                            peer.fill(total - got)
+                        };
+                    let r = match r {
+                        Ok(r) => r,
+                        Err(e) => {
+                            // Keep the partial receive so that mark_dead fails it.
+                            peer.rx = Rx::Payload {
+                                hdr,
+                                target,
+                                got,
+                                chunk,
+                            };
+                            return Err(e);
+                        }
+                    };
+                    peer.rx = Rx::Payload {
+                        hdr,
+                        target,
+                        got,
+                        chunk,
+                    };
+                    match r {
+                        Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Empty => return Ok(progressed),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes queued frames to peer `p` until the socket is full.
+    pub(super) fn pump_tx(&mut self, p: usize) -> std::result::Result<bool, String> {
+        let mut progressed = false;
+        loop {
+            let Some(Some(peer)) = self.peers.get_mut(p) else {
+                return Ok(progressed);
+            };
+            if peer.out.is_empty() {
+                return Ok(progressed);
+            }
+            let written = {
+                let mut iov = [IoSlice::new(&[]); MAX_IOV];
+                let mut k = 0;
+                let mut skip = peer.out_off;
+                for o in peer.out.iter() {
+                    if k + 2 > MAX_IOV {
+                        break;
+                    }
+                    let payload = o
+                        .payload
+                        .as_ref()
+                        .map(|b| &b.bytes()[o.base..o.base + o.plen])
+                        .unwrap_or(&[]);
+                    if skip < HEADER_LEN {
+                        iov[k] = IoSlice::new(&o.hdr[skip..]);
+                        k += 1;
+                        if !payload.is_empty() {
+                            iov[k] = IoSlice::new(payload);
+                            k += 1;
+                        }
+                    } else if skip - HEADER_LEN < payload.len() {
+                        iov[k] = IoSlice::new(&payload[skip - HEADER_LEN..]);
+                        k += 1;
+                    }
+                    skip = 0;
+                }
+                match peer.link.write(&iov[..k])? {
+                    0 => return Ok(progressed),
+                    n => n,
+                }
+            };
+            progressed = true;
+            let mut n = written;
+            let mut finished = Vec::new();
+            while n > 0 {
+                let Some(front) = peer.out.front() else { break };
+                let flen = HEADER_LEN + front.plen;
+                let left = flen - peer.out_off;
+                if n >= left {
+                    n -= left;
+                    peer.out_off = 0;
+                    if let Some(o) = peer.out.pop_front() {
+                        finished.push(o);
+                    }
+                } else {
+                    peer.out_off += n;
+                    n = 0;
+                }
+            }
+            // A zero-length tail frame has been written once its header has.
+            for o in finished {
+                self.frame_written(p, o);
+            }
+        }
+    }
+
+    pub(super) fn frame_written(&mut self, p: usize, o: Out) {
+        let Some(id) = o.send_id else { return };
+        match o.kind {
+            Kind::Eager => match self.sends.get_mut(&id) {
+                Some(s) if s.waits_for_ack() => s.buf = o.payload,
+                Some(_) => self.send_done(p, id, o.payload),
+                None => {}
+            },
+            Kind::Data => {
+                let end = o.base + o.plen;
+                let more = self.sends.get(&id).filter(|s| end < s.len);
+                if let Some(&PendingSend { len, dtype, .. }) = more {
+                    if let Some(buf) = o.payload {
+                        // Behind everything queued meanwhile (replies first): the next chunk.
+                        let next = data_chunk(id, dtype, buf, (end, len), self.chunk(p));
+                        self.push_out(p, next);
+                    }
+                    return;
+                }
+                self.send_done(p, id, o.payload);
+            }
+            _ => {}
+        }
+    }
+
+    /// Send `id` to `p` succeeded once written: it gives its buffer back.
+    pub(super) fn send_done(&mut self, p: usize, id: u64, buf: Option<BoxBuf>) {
+        if let Some(s) = self.sends.remove(&id) {
+            s.cell.complete(Ok(s.status(p)), buf);
+        }
+    }
+
+    /// Writes, reads, and (with `flush_replies`) writes again what reading produced.
+    pub(super) fn pump(&mut self, p: usize, read: bool, write: bool, flush_replies: bool) -> bool {
+        let live = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none());
+        if !live {
+            return false;
+        }
+        self.poll_lane_acks(p);
+        let r = (if write { self.pump_tx(p) } else { Ok(false) })
+            .and_then(|a| Ok(a | (read && self.pump_lane(p)?)))
+            .and_then(|a| Ok(a | (read && self.pump_rx(p)?)))
+            .and_then(|a| Ok(a | (flush_replies && self.pump_tx(p)?)));
+        r.unwrap_or_else(|reason| {
+            self.mark_dead(p, reason);
+            true
+        })
+    }
+}
+
+/// The frame that carries `buf[base..]` of message `msg_id` (`len` bytes in all), up to one
+/// `chunk`.
+pub(super) fn data_chunk(
+    msg_id: u64,
+    dtype: DType,
+    buf: BoxBuf,
+    (base, len): (usize, usize),
+    chunk: usize,
+) -> Out {
+    let plen = (len - base).min(chunk);
+    let hdr = Header {
+        kind: Kind::Data,
+        dtype,
+        ctx: 0,
+        tag: 0,
+        aux: 0,
+        msg_id,
+        len: plen as u64,
+        fp: Fingerprint::NONE,
+    };
+    Out {
+        hdr: hdr.encode(),
+        kind: Kind::Data,
+        payload: Some(buf),
+        base,
+        plen,
+        send_id: Some(msg_id),
+    }
+}

@@ -1,0 +1,625 @@
+//! The shared-memory link between two ranks on one host.
+//!
+//! Each direction of a pair is a single-producer single-consumer byte ring in a segment of
+//! `/dev/shm`, carrying exactly the frames the TCP transport would put on its socket, so the
+//! whole protocol (matching, eager/rendezvous, desync checks, cancellation) is shared. The TCP
+//! connection between the pair stays open beside the rings, for three things it does better
+//! than any shared-memory scheme: it was authenticated by the handshake (a stranger cannot hand
+//! us a segment), the kernel closes it when a process dies however it dies (peer death is
+//! detected exactly as on TCP), and it is a file descriptor `poll(2)` can sleep on: a side that
+//! goes to sleep raises a flag in the ring, and the other side, seeing it after publishing,
+//! writes one *doorbell* byte to the socket.
+//!
+//! The producer also remembers the consumer's head from its last look and reads the shared one
+//! only when the remembered free space is too small, so a small write does not wait for the
+//! cache line the consumer last wrote.
+//!
+//! # The small-message lane
+//! Beside each ring, a *lane* of [`LANE_SLOTS`] one-cache-line slots carries messages of up to
+//! [`LANE_MAX`] bytes over consecutive slots: the first holds the message's header and the
+//! payload's first bytes, the others the rest; the first slot's word, written last, publishes
+//! the message with its sequence number and length, so an 8-byte message is one line and the
+//! receiver polls the very line it arrives in (a ring message crosses as two lines, the tail
+//! and then the frame). A point-to-point message is answered in an *answer word* (one line
+//! each, [`LANE_ACKS`] per direction) instead of an Ack frame; a refusal sets the word's
+//! refused bit and also sends the usual Nack frame, which says why. Order between lane and
+//! ring is kept by two rules: the producer writes to the lane only when the consumer has read
+//! every ring byte, and to the ring only when the consumer has taken every lane message; so at
+//! most one of them holds unread messages, and the consumer takes the lane before the ring.
+//! The engine's blocking send and receive use the lane without a handle or an allocation
+//! (`tcp::Engine::send_small`).
+//!
+//! Large messages skip the ring: the sender announces the address of its buffer (`Rget`) and
+//! the receiver copies it straight into the posted receive with `process_vm_readv(2)` (Linux
+//! cross-memory attach, one copy). Where the kernel refuses (ptrace rules, `EPERM`) the receiver
+//! answers clear-to-send instead and the message streams through the ring, pipelined (the
+//! sender fills while the receiver drains).
+//!
+//! # Lifecycle
+//! Segments are named `distcomm-<creator pid>-<nonce>-<src>to<dst>`. The producer creates its
+//! segment during initialisation, the consumer maps it and unlinks the name at once, and the
+//! producer unlinks it again once both sides reported (so a failed peer cannot leave it
+//! behind). After initialisation nothing of the job is left in `/dev/shm`, whatever happens to
+//! the processes later. Segments whose creator died during initialisation are swept by the next
+//! job on the host.
+//!
+//! # Trust
+//! The peer process could write anything into the shared pages. Indices are validated on every
+//! access (a ring claiming more bytes than it holds is a protocol violation that fails the
+//! link), and frames are decoded with the same bounds checks as from a socket.
+
+use std::cell::Cell;
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use memmap2::MmapRaw;
+
+use crate::error::{Error, Result};
+use crate::transport::frame::{LANE_ACKS, LANE_HEAD, LANE_MAX};
+use crate::transport::{ShmConfig, TransportKind};
+
+mod cma;
+mod segment;
+mod setup;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use cma::{cma_read, cma_write};
+pub(crate) use segment::Region;
+use segment::*;
+pub(crate) use setup::setup;
+
+/// Where segments live.
+const SHM_DIR: &str = "/dev/shm";
+/// Name prefix of every segment.
+const PREFIX: &str = "distcomm-";
+/// Offsets inside a segment. Each index lives on its own cache line.
+const OFF_TAIL: usize = 0;
+const OFF_HEAD: usize = 64;
+const OFF_CONSUMER_SLEEPING: usize = 128;
+const OFF_PRODUCER_WAITING: usize = 192;
+const OFF_MAGIC: usize = 256;
+const OFF_CAP: usize = 264;
+/// The small-message lane (see the module documentation): the consumer's count of slots
+/// taken, its answers (one word per outstanding answered message), and the slots.
+const OFF_LANE_HEAD: usize = 320;
+const OFF_ACKS: usize = 512;
+const OFF_SLOTS: usize = 2048;
+const OFF_DATA: usize = 8192;
+/// Lane slots per direction.
+const LANE_SLOTS: u64 = 64;
+/// A slot (one cache line): its sequence word, then the body. A message takes consecutive
+/// slots: the first holds its header and the payload's first bytes, the others the rest. The
+/// first slot's word, written last, is its sequence number with its length in the top bits;
+/// the others' words are their own sequence numbers.
+const SLOT: usize = 64;
+const SLOT_BODY: usize = SLOT - 8;
+/// Payload bytes in a message's first slot.
+const FIRST: usize = SLOT_BODY - LANE_HEAD;
+/// The first slot's word: the low bits of its sequence number (compared as such: they wrap
+/// after 2^48 slots), the message's length above them.
+const LEN_SHIFT: u32 = 48;
+const SEQ_MASK: u64 = (1 << LEN_SHIFT) - 1;
+/// Answer word bit: the message was refused (a Nack frame on the ring says why).
+const ACK_REFUSED: u64 = 1 << 63;
+const MAGIC: u64 = 0x6469_7374_636f_6d33; // "distcom3"
+/// Each answer word has a cache line of its own: the producer reads the word of an old message
+/// (is it free?) while the consumer writes the newest one.
+const ACK_STRIDE: usize = 64;
+const _: () = assert!(OFF_ACKS + ACK_STRIDE * LANE_ACKS as usize <= OFF_SLOTS);
+const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_DATA);
+// The largest message fits the lane twice over.
+const _: () = assert!(2 * slots_for(LANE_MAX) <= LANE_SLOTS && LANE_MAX < 1 << 16);
+
+/// Slots a lane message of `len` bytes takes.
+const fn slots_for(len: usize) -> u64 {
+    1 + (len.saturating_sub(FIRST).div_ceil(SLOT_BODY)) as u64
+}
+
+/// A lane message found by [`ShmLink::lane_peek`]: its first slot's sequence number (its id
+/// for the answer) and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneMsg {
+    pub seq: u64,
+    pub len: usize,
+}
+
+/// One mapped ring.
+struct Ring {
+    map: MmapRaw,
+    cap: u64,
+}
+
+impl Ring {
+    fn atomic64(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `off` is one of the 64-byte aligned header offsets, inside the mapping (which
+        // is page aligned and at least OFF_DATA bytes long, checked when mapped); AtomicU64 has
+        // the size and alignment of u64; the mapping lives as long as `self`, and every access
+        // to these words, from either process, is atomic.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn atomic32(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as in `atomic64`, for a 4-byte word at an aligned header offset.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: OFF_DATA + cap is the mapping's length (checked when mapped).
+        unsafe { self.map.as_mut_ptr().add(OFF_DATA) }
+    }
+
+    /// Bytes published and not yet consumed, validated against the capacity.
+    fn filled(&self, head: u64, tail: u64) -> io::Result<u64> {
+        let n = tail.wrapping_sub(head);
+        if n > self.cap {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "shared-memory ring corrupt: {n} bytes in a ring of {}",
+                    self.cap
+                ),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Hints the CPU to fetch the cache line of logical position `pos` (no effect elsewhere).
+    fn prefetch(&self, pos: u64) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `pos % cap < cap`, so the address lies inside the data area; a prefetch
+        // neither reads into the program nor faults.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(self.data().add((pos % self.cap) as usize).cast());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = pos;
+    }
+
+    /// Copies `src` into the ring at logical position `pos` (wrapping).
+    fn put(&self, pos: u64, src: &[u8]) {
+        let cap = self.cap as usize;
+        let at = (pos % self.cap) as usize;
+        let first = src.len().min(cap - at);
+        // SAFETY: `at + first <= cap` and `src.len() - first <= cap - first`, so both copies stay
+        // inside the data area; the range lies between the consumer's head and our new tail,
+        // which the consumer does not read until we publish the tail.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), first);
+            std::ptr::copy_nonoverlapping(src[first..].as_ptr(), self.data(), src.len() - first);
+        }
+    }
+
+    /// The sequence word of lane slot `seq` (from 1).
+    fn slot_seq(&self, seq: u64) -> &AtomicU64 {
+        self.atomic64(Self::slot_off(seq))
+    }
+
+    fn slot_off(seq: u64) -> usize {
+        OFF_SLOTS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * SLOT
+    }
+
+    /// The body of lane slot `seq`.
+    fn slot_body(&self, seq: u64) -> *mut u8 {
+        // SAFETY: the slot lies inside the header area of the mapping (const assertions).
+        unsafe { self.map.as_mut_ptr().add(Self::slot_off(seq) + 8) }
+    }
+
+    /// The answer word of lane message `seq`.
+    fn ack_word(&self, seq: u64) -> &AtomicU64 {
+        self.atomic64(OFF_ACKS + ((seq % LANE_ACKS) as usize) * ACK_STRIDE)
+    }
+
+    /// The answer to lane message `seq` (of this ring's producer): `Some(true)` accepted,
+    /// `Some(false)` refused, `None` not yet.
+    fn answer_of(&self, seq: u64) -> Option<bool> {
+        let w = self.ack_word(seq).load(Ordering::Acquire);
+        (w & !ACK_REFUSED == seq).then_some(w & ACK_REFUSED == 0)
+    }
+
+    /// Whether the ring holds bytes its consumer has not read (the head is the consumer's own
+    /// word: a cache hit on its side while nothing moves).
+    fn unread(&self) -> bool {
+        let head = self.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        self.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
+    }
+
+    /// Whether the lane holds a message after the `taken` slots the consumer took.
+    fn lane_ready(&self, taken: u64) -> bool {
+        self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == (taken + 1) & SEQ_MASK
+    }
+
+    /// Copies from the ring at logical position `pos` into `dst` (wrapping).
+    fn get(&self, pos: u64, dst: &mut [u8]) {
+        let cap = self.cap as usize;
+        let at = (pos % self.cap) as usize;
+        let first = dst.len().min(cap - at);
+        let rest = dst.len() - first;
+        // SAFETY: as in `put`; the range lies between our head and the producer's published
+        // tail, which the producer does not overwrite until we publish a new head.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(at), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), dst[first..].as_mut_ptr(), rest);
+        }
+    }
+}
+
+/// Both directions of a shared-memory link, plus what a transfer needs about the peer.
+pub(crate) struct ShmLink {
+    tx: Arc<Ring>,
+    rx: Arc<Ring>,
+    /// The consumer's head of `tx` as last read (it only ever grows): free space known without
+    /// touching the consumer's cache line.
+    tx_head: Cell<u64>,
+    /// Lane messages written to `tx`, and the consumer's count of those taken as last read.
+    tx_lane: Cell<u64>,
+    tx_lane_head: Cell<u64>,
+    /// Lane messages taken from `rx`.
+    rx_lane: Cell<u64>,
+    /// The peer's process id (cross-memory attach, messages).
+    pub pid: i32,
+    /// Large messages may go by cross-memory attach (both sides allowed it, the kernel has not
+    /// refused it yet).
+    pub cma: bool,
+}
+
+impl ShmLink {
+    fn new(tx: Ring, rx: Ring, pid: i32, cma: bool) -> ShmLink {
+        ShmLink {
+            tx: Arc::new(tx),
+            rx: Arc::new(rx),
+            tx_head: Cell::new(0),
+            tx_lane: Cell::new(0),
+            tx_lane_head: Cell::new(0),
+            rx_lane: Cell::new(0),
+            pid,
+            cma,
+        }
+    }
+
+    /// What another thread may watch without the link: answers to our lane messages, and
+    /// whether anything arrived.
+    pub fn watch(&self) -> ShmWatch {
+        ShmWatch {
+            tx: self.tx.clone(),
+            rx: self.rx.clone(),
+        }
+    }
+
+    /// Whether the consumer has read everything we wrote to the ring (a lane message may not
+    /// overtake anything there).
+    fn ring_drained(&self) -> io::Result<bool> {
+        let r = &self.tx;
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        if self.tx_head.get() != tail {
+            let head = r.atomic64(OFF_HEAD).load(Ordering::Acquire);
+            r.filled(head, tail)?;
+            self.tx_head.set(head);
+        }
+        Ok(self.tx_head.get() == tail)
+    }
+
+    /// Lane messages written and not yet taken by the consumer (validated).
+    fn lane_filled(&self, reload: bool) -> io::Result<u64> {
+        if reload {
+            let head = self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire);
+            if self.tx_lane.get().wrapping_sub(head) > LANE_SLOTS {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "shared-memory lane corrupt: {head} of {} messages taken",
+                        self.tx_lane.get()
+                    ),
+                ));
+            }
+            self.tx_lane_head.set(head);
+        }
+        Ok(self.tx_lane.get() - self.tx_lane_head.get())
+    }
+
+    /// Whether the consumer has taken every lane message (nothing on the ring may overtake
+    /// one).
+    fn lane_drained(&self) -> io::Result<bool> {
+        Ok(self.lane_filled(false)? == 0 || self.lane_filled(true)? == 0)
+    }
+
+    /// The answer to our lane message `seq` (see [`ShmWatch::answered`]).
+    pub fn answered(&self, seq: u64) -> Option<bool> {
+        self.tx.answer_of(seq)
+    }
+
+    /// The sequence number the next lane message will get.
+    pub fn next_lane_seq(&self) -> u64 {
+        self.tx_lane.get() + 1
+    }
+
+    /// Writes a small message (`head`, then at most [`LANE_MAX`] bytes of `payload`) to the
+    /// lane, if nothing written to the ring is still unread and its slots are free. Returns its
+    /// sequence number and whether the consumer is asleep and needs a doorbell; `None` when the
+    /// lane cannot take it.
+    pub fn lane_send(
+        &self,
+        head: &[u8; LANE_HEAD],
+        payload: &[u8],
+    ) -> io::Result<Option<(u64, bool)>> {
+        let len = payload.len();
+        let k = slots_for(len);
+        if len > LANE_MAX
+            || !self.ring_drained()?
+            || (self.lane_filled(false)? + k > LANE_SLOTS
+                && self.lane_filled(true)? + k > LANE_SLOTS)
+        {
+            return Ok(None);
+        }
+        let seq = self.tx_lane.get() + 1;
+        let r = &self.tx;
+        let first = len.min(FIRST);
+        // The continuation slots first, then the first slot, whose word publishes them all.
+        for (i, chunk) in (1..).zip(payload[first..].chunks(SLOT_BODY)) {
+            // SAFETY: `slot_body` is inside the mapping and has SLOT_BODY >= chunk.len() bytes;
+            // the consumer took the slot's previous message (room was checked) and reads it
+            // again only after the first slot's word below says message `seq` is there.
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), r.slot_body(seq + i), chunk.len())
+            };
+            r.slot_seq(seq + i).store(seq + i, Ordering::Release);
+        }
+        // SAFETY: as above, for the first slot: LANE_HEAD + first <= SLOT_BODY.
+        unsafe {
+            let at = r.slot_body(seq);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), at, LANE_HEAD);
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), at.add(LANE_HEAD), first);
+        }
+        r.slot_seq(seq).store(
+            seq & SEQ_MASK | (len as u64) << LEN_SHIFT,
+            Ordering::Release,
+        );
+        self.tx_lane.set(seq + k - 1);
+        Ok(Some((seq, self.consumer_asleep())))
+    }
+
+    /// After publishing to the peer (ring bytes, a lane message, an answer): whether it sleeps
+    /// and must be rung (once per sleep).
+    fn consumer_asleep(&self) -> bool {
+        // Pairs with the fence in `prepare_sleep`: either the peer sees what we published, or
+        // we see its flag.
+        fence(Ordering::SeqCst);
+        lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING))
+    }
+
+    /// After taking from the inbound ring or lane: whether the producer waits for room and
+    /// must be rung (once per wait).
+    fn producer_waiting(&self) -> bool {
+        fence(Ordering::SeqCst);
+        lower(self.rx.atomic32(OFF_PRODUCER_WAITING))
+    }
+
+    /// The next lane message, if one is there: its header is copied into `head`; nothing is
+    /// taken until [`lane_release`](Self::lane_release). A length or a continuation slot that
+    /// breaks the layout is an error (the peer wrote garbage).
+    pub fn lane_peek(&self, head: &mut [u8; LANE_HEAD]) -> io::Result<Option<LaneMsg>> {
+        let r = &self.rx;
+        let seq = self.rx_lane.get() + 1;
+        let word = r.slot_seq(seq).load(Ordering::Acquire);
+        if word & SEQ_MASK != seq & SEQ_MASK {
+            return Ok(None);
+        }
+        let len = (word >> LEN_SHIFT) as usize;
+        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        if len > LANE_MAX {
+            return Err(bad(format!("shared-memory lane message of {len} bytes")));
+        }
+        for i in 1..slots_for(len) {
+            if r.slot_seq(seq + i).load(Ordering::Relaxed) != seq + i {
+                return Err(bad(format!(
+                    "shared-memory lane message {seq} is incomplete"
+                )));
+            }
+        }
+        // SAFETY: the first slot's body has LANE_HEAD bytes; the producer wrote them before
+        // publishing `seq` (acquired above) and keeps off until we release the message.
+        unsafe { std::ptr::copy_nonoverlapping(r.slot_body(seq), head.as_mut_ptr(), LANE_HEAD) };
+        Ok(Some(LaneMsg { seq, len }))
+    }
+
+    /// Copies the payload of message `m` (from [`lane_peek`](Self::lane_peek), not yet
+    /// released) into `dst` (up to its length).
+    pub fn lane_copy(&self, m: LaneMsg, dst: &mut [u8]) {
+        let r = &self.rx;
+        let len = m.len.min(dst.len());
+        let first = len.min(FIRST);
+        // SAFETY: the slots of `m` lie inside the mapping, hold what the producer wrote before
+        // publishing `m` (checked by `lane_peek`), and stay untouched until we release them;
+        // each copy stays within one slot's body and within `dst`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.slot_body(m.seq).add(LANE_HEAD),
+                dst.as_mut_ptr(),
+                first,
+            );
+        }
+        for (i, chunk) in (1..).zip(dst[first..len].chunks_mut(SLOT_BODY)) {
+            // SAFETY: as above.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    r.slot_body(m.seq + i),
+                    chunk.as_mut_ptr(),
+                    chunk.len(),
+                )
+            };
+        }
+    }
+
+    /// Releases the slots of message `m`, first writing its answer (`Some(refused)`) when it
+    /// has one already. Returns whether the peer sleeps (or waits for room) and needs a
+    /// doorbell.
+    pub fn lane_release(&self, m: LaneMsg, answer: Option<bool>) -> bool {
+        if let Some(refused) = answer {
+            self.answer_word(m.seq, refused);
+        }
+        let taken = m.seq + slots_for(m.len) - 1;
+        self.rx_lane.set(taken);
+        self.rx
+            .atomic64(OFF_LANE_HEAD)
+            .store(taken, Ordering::Release);
+        // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
+        fence(Ordering::SeqCst);
+        let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
+        let asleep = answer.is_some() && lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING));
+        waiting || asleep
+    }
+
+    fn answer_word(&self, seq: u64, refused: bool) {
+        let word = seq | if refused { ACK_REFUSED } else { 0 };
+        self.rx.ack_word(seq).store(word, Ordering::Release);
+    }
+
+    /// Answers lane message `seq` taken earlier: accepted or refused. Returns whether the peer
+    /// sleeps and needs a doorbell.
+    pub fn lane_answer(&self, seq: u64, refused: bool) -> bool {
+        self.answer_word(seq, refused);
+        self.consumer_asleep()
+    }
+
+    /// Writes as much of `iov` as fits into the outbound ring. Returns the bytes written and
+    /// whether the consumer is asleep and needs a doorbell. Nothing is written while a lane
+    /// message is still untaken (it must not be overtaken).
+    pub fn write(&self, iov: &[IoSlice<'_>]) -> io::Result<(usize, bool)> {
+        if !self.lane_drained()? {
+            return Ok((0, false));
+        }
+        let r = &self.tx;
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        let want: usize = iov.iter().map(|s| s.len()).sum();
+        let mut free = (r.cap - r.filled(self.tx_head.get(), tail)?) as usize;
+        if free < want {
+            let head = r.atomic64(OFF_HEAD).load(Ordering::Acquire);
+            free = (r.cap - r.filled(head, tail)?) as usize;
+            self.tx_head.set(head);
+        }
+        let mut pos = tail;
+        for s in iov {
+            if free == 0 {
+                break;
+            }
+            let n = s.len().min(free);
+            r.put(pos, &s[..n]);
+            pos += n as u64;
+            free -= n;
+        }
+        let written = (pos - tail) as usize;
+        if written == 0 {
+            return Ok((0, false));
+        }
+        r.atomic64(OFF_TAIL).store(pos, Ordering::Release);
+        Ok((written, self.consumer_asleep()))
+    }
+
+    /// Reads up to `dst.len()` bytes from the inbound ring. Returns the bytes read and whether
+    /// the producer waits for room and needs a doorbell.
+    pub fn read(&self, dst: &mut [u8]) -> io::Result<(usize, bool)> {
+        let r = &self.rx;
+        let head = r.atomic64(OFF_HEAD).load(Ordering::Relaxed);
+        let tail = r.atomic64(OFF_TAIL).load(Ordering::Acquire);
+        let n = (r.filled(head, tail)? as usize).min(dst.len());
+        if n == 0 {
+            // Ask for the line the next frame will start in, so that its transfer overlaps
+            // the one of the tail when the producer publishes.
+            r.prefetch(head);
+            return Ok((0, false));
+        }
+        r.get(head, &mut dst[..n]);
+        r.atomic64(OFF_HEAD)
+            .store(head + n as u64, Ordering::Release);
+        Ok((n, self.producer_waiting()))
+    }
+
+    /// Before sleeping on the doorbell: raises our flags (consumer asleep; producer waiting for
+    /// room if `want_room`) and returns whether there is already something to do, in which case
+    /// the caller must not sleep.
+    pub fn prepare_sleep(&self, want_room: bool) -> bool {
+        self.rx
+            .atomic32(OFF_CONSUMER_SLEEPING)
+            .store(1, Ordering::Relaxed);
+        if want_room {
+            self.tx
+                .atomic32(OFF_PRODUCER_WAITING)
+                .store(1, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        let tx_tail = self.tx.atomic64(OFF_TAIL).load(Ordering::Relaxed);
+        let tx_head = self.tx.atomic64(OFF_HEAD).load(Ordering::Acquire);
+        let writable = tx_tail.wrapping_sub(tx_head) < self.tx.cap
+            && self.tx.atomic64(OFF_LANE_HEAD).load(Ordering::Acquire) == self.tx_lane.get();
+        self.rx.unread() || self.rx.lane_ready(self.rx_lane.get()) || (want_room && writable)
+    }
+
+    /// After waking: lowers our flags so the peer stops ringing.
+    pub fn woke(&self) {
+        self.rx
+            .atomic32(OFF_CONSUMER_SLEEPING)
+            .store(0, Ordering::Relaxed);
+        self.tx
+            .atomic32(OFF_PRODUCER_WAITING)
+            .store(0, Ordering::Relaxed);
+    }
+}
+
+/// Clears a raised sleep flag; returns whether it was raised (then the caller rings).
+fn lower(flag: &AtomicU32) -> bool {
+    flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+}
+
+/// The parts of a link a waiting thread watches without holding the link: every access is an
+/// atomic load.
+pub(crate) struct ShmWatch {
+    tx: Arc<Ring>,
+    rx: Arc<Ring>,
+}
+
+impl ShmWatch {
+    /// The answer to our lane message `seq`: `Some(true)` accepted, `Some(false)` refused,
+    /// `None` not yet.
+    pub fn answered(&self, seq: u64) -> Option<bool> {
+        self.tx.answer_of(seq)
+    }
+
+    /// Whether the peer wrote something we have not taken: a lane message, or ring bytes.
+    pub fn incoming(&self) -> bool {
+        // Our own published count: a cache hit while nothing moves.
+        let taken = self.rx.atomic64(OFF_LANE_HEAD).load(Ordering::Relaxed);
+        self.rx.lane_ready(taken) || self.rx.unread()
+    }
+
+    /// Whether the peer wrote ring bytes we have not read.
+    pub fn ring_incoming(&self) -> bool {
+        self.rx.unread()
+    }
+}
+
+/// Rings the doorbell: one byte on the link's socket. A full socket buffer means unread
+/// doorbells are already there, which wake the peer just as well.
+pub(crate) fn ring_doorbell(stream: &TcpStream) {
+    let _ = (&*stream).write(&[0u8]);
+}
+
+/// Reads and discards doorbell bytes; `Err` when the socket closed (the peer is gone).
+pub(crate) fn drain_doorbell(stream: &TcpStream) -> std::result::Result<(), String> {
+    let mut sink = [0u8; 256];
+    loop {
+        match (&*stream).read(&mut sink) {
+            Ok(0) => return Err("connection closed by peer".into()),
+            Ok(n) if n < sink.len() => return Ok(()),
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}

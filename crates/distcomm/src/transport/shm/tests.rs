@@ -1,0 +1,251 @@
+//! Unit tests of the rings, the lane and segment lifecycle, in one process.
+
+use super::*;
+
+fn pair(cap: usize) -> ShmLink {
+    // Tests run in parallel threads of one process: one name each.
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let k = NEXT.fetch_add(1, Ordering::Relaxed);
+    let name = format!("{PREFIX}{}-test-{k}", std::process::id());
+    let a = create(&name, cap).unwrap();
+    let b = open(&name).unwrap();
+    assert!(!std::path::Path::new(&format!("{SHM_DIR}/{name}")).exists());
+    // A link whose rx is the same segment as its tx: a loop back to ourselves.
+    ShmLink::new(a, b, 0, false)
+}
+
+#[test]
+fn ring_wraps_and_stops_when_full() {
+    let link = pair(4096);
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+    let mut got = Vec::new();
+    let mut sent = 0;
+    let mut buf = vec![0u8; 1000];
+    while got.len() < data.len() {
+        let (n, _) = link.write(&[IoSlice::new(&data[sent..])]).unwrap();
+        assert!(n <= 4096);
+        sent += n;
+        let (m, _) = link.read(&mut buf).unwrap();
+        got.extend_from_slice(&buf[..m]);
+    }
+    assert_eq!(got, data);
+}
+
+#[test]
+fn sleeping_consumer_asks_for_a_doorbell() {
+    let link = pair(4096);
+    assert!(!link.prepare_sleep(false));
+    let (_, ring) = link.write(&[IoSlice::new(b"x")]).unwrap();
+    assert!(ring, "a sleeping consumer must be rung");
+    let (_, ring) = link.write(&[IoSlice::new(b"y")]).unwrap();
+    assert!(!ring, "one doorbell per sleep");
+    assert!(link.prepare_sleep(false), "data is waiting: do not sleep");
+}
+
+#[test]
+fn corrupt_indices_are_an_error() {
+    let link = pair(4096);
+    link.tx.atomic64(OFF_TAIL).store(1 << 40, Ordering::Relaxed);
+    assert!(link.read(&mut [0u8; 16]).is_err());
+    assert!(link.write(&[IoSlice::new(b"z")]).is_err());
+}
+
+fn head(k: u8) -> [u8; LANE_HEAD] {
+    std::array::from_fn(|i| k.wrapping_add(i as u8))
+}
+
+fn payload(k: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| k.wrapping_mul(31).wrapping_add(i as u8))
+        .collect()
+}
+
+/// Takes the next lane message whole: header, payload.
+fn take(link: &ShmLink) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
+    let mut h = [0u8; LANE_HEAD];
+    let m = link.lane_peek(&mut h).unwrap()?;
+    let mut data = vec![0u8; m.len];
+    link.lane_copy(m, &mut data);
+    link.lane_release(m, None);
+    Some((m, h, data))
+}
+
+#[test]
+fn lane_keeps_order_and_sizes_and_refuses_when_full() {
+    let link = pair(4096);
+    // Sizes around the slot boundaries; sent and taken in waves that wrap the slots.
+    let lens = [
+        0,
+        1,
+        8,
+        FIRST,
+        FIRST + 1,
+        FIRST + SLOT_BODY,
+        200,
+        1000,
+        LANE_MAX,
+    ];
+    let mut sent = std::collections::VecDeque::new();
+    for wave in 0..20u8 {
+        for (k, &len) in lens.iter().enumerate() {
+            let tag = wave.wrapping_mul(16).wrapping_add(k as u8);
+            match link.lane_send(&head(tag), &payload(tag, len)).unwrap() {
+                Some((seq, _)) => sent.push_back((seq, tag, len)),
+                None => {
+                    // Full: the lane holds at most LANE_SLOTS slots of messages.
+                    let used: u64 = sent.iter().map(|&(_, _, l)| slots_for(l)).sum();
+                    assert!(used + slots_for(len) > LANE_SLOTS, "refused with room");
+                    break;
+                }
+            }
+        }
+        while sent.len() > 2 {
+            let (seq, tag, len) = sent.pop_front().unwrap();
+            let (m, h, data) = take(&link).unwrap();
+            assert_eq!((m.seq, m.len), (seq, len));
+            assert_eq!((h, data), (head(tag), payload(tag, len)));
+        }
+    }
+    while let Some((seq, tag, len)) = sent.pop_front() {
+        let (m, h, data) = take(&link).unwrap();
+        assert_eq!((m.seq, h, data), (seq, head(tag), payload(tag, len)));
+    }
+    assert!(take(&link).is_none());
+}
+
+#[test]
+fn sequence_numbers_wrap_past_their_48_bits() {
+    let link = pair(4096);
+    let start = SEQ_MASK - 3;
+    link.tx_lane.set(start);
+    link.tx_lane_head.set(start);
+    link.tx
+        .atomic64(OFF_LANE_HEAD)
+        .store(start, Ordering::Relaxed);
+    link.rx_lane.set(start);
+    for k in 0..8u8 {
+        link.lane_send(&head(k), &payload(k, 100)).unwrap().unwrap();
+        let (_, h, data) = take(&link).unwrap();
+        assert_eq!((h, data), (head(k), payload(k, 100)));
+    }
+}
+
+#[test]
+fn a_peeked_message_is_not_taken() {
+    let link = pair(4096);
+    let (seq, _) = link.lane_send(&head(1), &payload(1, 100)).unwrap().unwrap();
+    let mut h = [0u8; LANE_HEAD];
+    let m = link.lane_peek(&mut h).unwrap().unwrap();
+    assert_eq!(link.lane_peek(&mut h).unwrap(), Some(m));
+    assert_eq!(m.seq, seq);
+    link.lane_release(m, None);
+    assert_eq!(link.lane_peek(&mut h).unwrap(), None);
+}
+
+#[test]
+fn lane_and_ring_never_overtake_each_other() {
+    let link = pair(4096);
+    let (n, _) = link.write(&[IoSlice::new(b"ring")]).unwrap();
+    assert_eq!(n, 4);
+    assert!(
+        link.lane_send(&head(1), b"x").unwrap().is_none(),
+        "unread ring bytes come first"
+    );
+    link.read(&mut [0u8; 4]).unwrap();
+    assert!(link.lane_send(&head(1), b"x").unwrap().is_some());
+    assert_eq!(
+        link.write(&[IoSlice::new(b"x")]).unwrap().0,
+        0,
+        "an untaken lane message comes first"
+    );
+    let mut h = [0u8; LANE_HEAD];
+    let m = link.lane_peek(&mut h).unwrap().unwrap();
+    assert_eq!(
+        link.write(&[IoSlice::new(b"x")]).unwrap().0,
+        0,
+        "not yet released"
+    );
+    link.lane_release(m, None);
+    assert_eq!(link.write(&[IoSlice::new(b"x")]).unwrap().0, 1);
+}
+
+#[test]
+fn answers_reach_the_producer() {
+    let link = pair(4096);
+    let watch = link.watch();
+    let (a, _) = link.lane_send(&head(1), &payload(1, 300)).unwrap().unwrap();
+    let (b, _) = link.lane_send(&head(2), b"").unwrap().unwrap();
+    assert_eq!((watch.answered(a), link.answered(b)), (None, None));
+    assert!(watch.incoming() && !watch.ring_incoming());
+    let mut h = [0u8; LANE_HEAD];
+    let m = link.lane_peek(&mut h).unwrap().unwrap();
+    link.lane_release(m, Some(false));
+    let m = link.lane_peek(&mut h).unwrap().unwrap();
+    link.lane_release(m, None);
+    assert!(!watch.incoming());
+    link.lane_answer(b, true);
+    assert_eq!(
+        (watch.answered(a), link.answered(b)),
+        (Some(true), Some(false))
+    );
+}
+
+#[test]
+fn sleeping_consumer_is_rung_for_a_lane_message() {
+    let link = pair(4096);
+    assert!(!link.prepare_sleep(false));
+    let (_, ring) = link.lane_send(&head(1), b"x").unwrap().unwrap();
+    assert!(ring, "a sleeping consumer must be rung");
+    assert!(
+        link.prepare_sleep(false),
+        "a lane message is waiting: do not sleep"
+    );
+}
+
+#[test]
+fn corrupt_lane_is_an_error() {
+    let link = pair(4096);
+    link.lane_send(&head(1), b"x").unwrap().unwrap();
+    link.tx
+        .atomic64(OFF_LANE_HEAD)
+        .store(1 << 40, Ordering::Relaxed);
+    assert!(link.write(&[IoSlice::new(b"z")]).is_err(), "a bad count");
+    let link = pair(4096);
+    link.lane_send(&head(1), &payload(1, 500)).unwrap().unwrap();
+    link.tx.slot_seq(3).store(77, Ordering::Relaxed);
+    assert!(
+        link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
+        "a missing slot"
+    );
+    let link = pair(4096);
+    link.tx
+        .slot_seq(1)
+        .store(1 | 5000 << LEN_SHIFT, Ordering::Relaxed);
+    assert!(
+        link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
+        "an oversized message"
+    );
+}
+
+#[test]
+fn cma_reads_our_own_memory() {
+    let src: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; src.len()];
+    cma_read(std::process::id() as i32, src.as_ptr() as u64, &mut dst).unwrap();
+    assert_eq!(src, dst);
+}
+
+#[test]
+fn cma_writes_our_own_memory() {
+    let src: Vec<u8> = (0..100_000u32).map(|i| (i * 3) as u8).collect();
+    let mut dst = vec![0u8; src.len()];
+    cma_write(std::process::id() as i32, dst.as_mut_ptr() as u64, &src).unwrap();
+    assert_eq!(src, dst);
+}
+
+#[test]
+fn foreign_segments_are_refused() {
+    let name = format!("{PREFIX}{}-foreign", std::process::id());
+    std::fs::write(format!("{SHM_DIR}/{name}"), vec![0u8; 8192]).unwrap();
+    assert!(open(&name).is_err());
+}

@@ -5,13 +5,15 @@
 //! dynamic dispatch). Integer arithmetic wraps on overflow (as two's-complement hardware and
 //! NCCL do) rather than panicking.
 //!
-//! * `f16`/`bf16`: collectives reduce them in `f32` and round once at the end (the data travels
-//!   as `f32`); see [`ReduceOp`].
+//! * `f16`/`bf16`: collectives reduce them in `f32` and round once at the end. The network
+//!   algorithms widen them and move `f32`; the shared-memory arena moves them at 16 bits and
+//!   reduces all ranks' inputs at once in `f32` registers ([`Reducible::reduce_all`]; the
+//!   vectorised kernels are in `half_kernels`). See [`ReduceOp`].
 //! * `Avg` on integers: the wrapping sum divided by the number of ranks, rounded toward zero.
 
-use half::slice::HalfFloatSliceExt;
-
 use crate::dtype::Element;
+
+mod half_kernels;
 
 /// How values are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,6 +81,26 @@ pub trait Reducible: Element {
     }
     /// Rounds `src` back into `dst` (16-bit floats only).
     fn narrow(_dst: &mut [Self], _src: &[f32]) {}
+    /// `out[i] = src(0)[i] op src(1)[i] op … op src(n - 1)[i]`, in rank order (the common
+    /// prefix where lengths differ; `out` aliases no source). 16-bit floats combine in `f32`
+    /// and round once, `Avg` dividing by `n` before the rounding, so the result is bit for bit
+    /// what widening, [`Reducible::reduce_into`] in `f32`, [`Reducible::finish_avg`] and
+    /// [`Reducible::narrow`] give. Other types combine `Avg` like `Sum` and leave the division
+    /// to [`Reducible::finish_avg`].
+    fn reduce_all<'a>(out: &mut [Self], n: usize, src: &dyn Fn(usize) -> &'a [Self], op: ReduceOp)
+    where
+        Self: 'a,
+    {
+        if n == 0 {
+            return;
+        }
+        let first = src(0);
+        let k = out.len().min(first.len());
+        out[..k].copy_from_slice(&first[..k]);
+        for r in 1..n {
+            Self::reduce_into(&mut out[..k], src(r), op);
+        }
+    }
 }
 
 macro_rules! float_kernels {
@@ -134,8 +156,9 @@ float_kernels!(f32, f64);
 int_kernels!(u8, i8, i16, i32, i64);
 
 macro_rules! half_kernels {
-    ($($t:ty),*) => {$(
-        /// Used only for a two-operand combine; collectives widen to f32 first.
+    ($($t:ty: $widen:ident, $narrow:ident, $reduce_all:ident);*) => {$(
+        /// `reduce_into` is a two-operand combine (rounding each time); collectives reduce in
+        /// f32 and round once ([`Reducible::reduce_all`], or widened).
         impl Reducible for $t {
             const INTEGER: bool = false;
             fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
@@ -149,23 +172,32 @@ macro_rules! half_kernels {
                 buf.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n as f32));
             }
             const WIDENS: bool = true;
-            // The slice conversions use the CPU's conversion instructions where it has them
-            // (F16C): 2.2x (widen) and 2.6x (narrow) faster than element by element for f16.
-            // (They require equal lengths: callers pass equal ones, and a mismatch converts
-            // the common prefix rather than panicking.)
+            // Vectorised (see `half_kernels`), bit for bit `half`'s scalar conversions. (They
+            // convert the common prefix where lengths differ; callers pass equal ones.)
             fn widen_into(src: &[Self], dst: &mut [f32]) {
-                let n = src.len().min(dst.len());
-                src[..n].convert_to_f32_slice(&mut dst[..n]);
+                half_kernels::$widen(src, dst);
             }
             fn narrow(dst: &mut [Self], src: &[f32]) {
-                let n = src.len().min(dst.len());
-                dst[..n].convert_from_f32_slice(&src[..n]);
+                half_kernels::$narrow(src, dst);
+            }
+            fn reduce_all<'a>(
+                out: &mut [Self],
+                n: usize,
+                src: &dyn Fn(usize) -> &'a [Self],
+                op: ReduceOp,
+            ) where
+                Self: 'a,
+            {
+                half_kernels::$reduce_all(out, n, src, op);
             }
         }
     )*};
 }
 
-half_kernels!(half::f16, half::bf16);
+half_kernels!(
+    half::f16: f16_to_f32, f32_to_f16, f16_reduce_all;
+    half::bf16: bf16_to_f32, f32_to_bf16, bf16_reduce_all
+);
 
 #[cfg(test)]
 mod tests {

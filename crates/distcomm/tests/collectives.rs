@@ -514,6 +514,80 @@ fn bad_arguments_are_typed_errors() {
     });
 }
 
+/// 16-bit floats whose sums and averages round: rank `r`'s element `i` (with an infinity,
+/// a NaN, and values near the top of f16's range here and there).
+fn inexact(r: usize, i: usize) -> f32 {
+    let h = (r as u64 * 0x9e37_79b9 + i as u64 * 0x85eb_ca6b) % 20_011;
+    match (i % 97, i % 101, r) {
+        (5, _, 0) => f32::INFINITY,
+        (_, 7, 1) => f32::NAN,
+        (11, _, _) => 30_000.0 + r as f32 * 1.5,
+        _ => (h as f32 - 10_000.0) * 0.013_7,
+    }
+}
+
+/// The 16-bit all_reduce equals reducing the same (16-bit) inputs in f32 and rounding once
+/// (dividing first for averages), bit for bit where the reduction order is fixed: through the
+/// arena (rank order) and on two ranks (any order).
+fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -> T) {
+    let (n, r) = (g.size(), g.rank());
+    // One element, the inline path (<= 40 B), the one-barrier path (<= 16 KiB), a single
+    // chunk and several.
+    for len in [1, 19, 20, 21, 5_000, 8_193, 300_001] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Product,
+            ReduceOp::Min,
+            ReduceOp::Max,
+        ] {
+            let input = |r: usize, i: usize| {
+                from(if op == ReduceOp::Product {
+                    1.0 + inexact(r, i) / 4096.0
+                } else {
+                    inexact(r, i)
+                })
+            };
+            let mut buf: Vec<T> = (0..len).map(|i| input(r, i)).collect();
+            g.all_reduce(&mut buf, op)
+                .unwrap_or_else(|e| panic!("{} {op:?} {len}: {e}", T::DTYPE));
+            let order_fixed =
+                g.intranode_all_reduce() || n <= 2 || matches!(op, ReduceOp::Min | ReduceOp::Max);
+            if !order_fixed {
+                continue;
+            }
+            for (i, x) in buf.iter().enumerate() {
+                let mut acc = [to(input(0, i))];
+                for q in 1..n {
+                    f32::reduce_into(&mut acc, &[to(input(q, i))], op);
+                }
+                if op == ReduceOp::Avg {
+                    f32::finish_avg(&mut acc, n);
+                }
+                let want = from(acc[0]);
+                let (got, want) = (to(*x), to(want));
+                assert!(
+                    got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
+                    "{} {op:?} world {n} len {len} element {i}: {got} want {want}",
+                    T::DTYPE
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sixteen_bit_floats_reduce_in_f32_and_round_once() {
+    run(
+        "sixteen_bit_floats_reduce_in_f32_and_round_once",
+        ALL,
+        |g| {
+            check_rounds_once::<bf16>(g, bf16::to_f32, bf16::from_f32);
+            check_rounds_once::<f16>(g, f16::to_f32, f16::from_f32);
+        },
+    );
+}
+
 #[allow(dead_code)]
 fn _element_bound<T: Element>() {}
 

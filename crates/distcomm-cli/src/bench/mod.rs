@@ -147,8 +147,8 @@ pub struct BenchArgs {
     /// (no staging), wgpu or cuda (builds with those features).
     #[arg(long, default_value = "emulated")]
     device: String,
-    /// Element type of the collectives (16-bit floats are reduced in f32, so their data
-    /// travels as f32).
+    /// Element type of the collectives (16-bit floats are reduced in f32 and rounded once: at
+    /// 16 bits through the shared-memory arena, as f32 over the network).
     #[arg(long, default_value = "f32")]
     dtype: ElemType,
 }

@@ -8,7 +8,8 @@
 //! The buffer moves in chunks. Per chunk, every rank
 //! 1. copies its chunk into its own slot and raises its sequence word;
 //! 2. waits until every rank has (barrier 1);
-//! 3. reduces its share of the chunk across all slots into the shared result;
+//! 3. reduces its share of the chunk across all slots into the shared result (16-bit floats
+//!    stay 16-bit in the slots and are combined in f32 and rounded once, in this one pass);
 //! 4. raises its sequence word again and waits for everyone (barrier 2);
 //! 5. copies the whole reduced chunk out.
 //!
@@ -323,7 +324,9 @@ impl Arena {
     }
 
     /// All-reduces `buf` in place through the arena. `fp`, `dtype` and `tag` describe the
-    /// caller's call (for desync checks); the arena runs `T` (16-bit floats arrive widened).
+    /// caller's call (for desync checks). 16-bit floats travel at 16 bits and are reduced in
+    /// f32 and rounded once, `Avg` divided before rounding ([`Reducible::reduce_all`]); other
+    /// types leave `Avg`'s division to the caller.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
@@ -487,11 +490,8 @@ impl Arena {
                     self.check_calls(w.op, first_step, w0, w1)?;
                 }
                 // SAFETY: see above.
-                chunk.copy_from_slice(unsafe { self.region.view::<T>(at(0), m) });
-                for r in 1..self.n {
-                    // SAFETY: see above.
-                    T::reduce_into(chunk, unsafe { self.region.view::<T>(at(r), m) }, op);
-                }
+                let slot = |r: usize| unsafe { self.region.view::<T>(at(r), m) };
+                T::reduce_all(chunk, self.n, &slot, op);
                 continue;
             }
             // SAFETY: see above.
@@ -511,18 +511,11 @@ impl Arena {
                         .view_mut::<T>(self.result(parity) + lo * size, hi - lo)
                 };
                 // SAFETY: see above.
-                out.copy_from_slice(unsafe {
+                let slot = |r: usize| unsafe {
                     self.region
-                        .view::<T>(self.slot(parity, 0) + lo * size, hi - lo)
-                });
-                for r in 1..self.n {
-                    // SAFETY: see above.
-                    let theirs = unsafe {
-                        self.region
-                            .view::<T>(self.slot(parity, r) + lo * size, hi - lo)
-                    };
-                    T::reduce_into(out, theirs, op);
-                }
+                        .view::<T>(self.slot(parity, r) + lo * size, hi - lo)
+                };
+                T::reduce_all(out, self.n, &slot, op);
             }
             self.seq(self.me, parity)
                 .store(2 * step + 2, Ordering::Release);

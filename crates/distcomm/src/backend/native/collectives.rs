@@ -173,8 +173,9 @@ impl Run<'_> {
         self.execute_rounds(call, tag, sched, out, inp)
     }
 
-    /// All-reduce through the shared-memory arena (16-bit floats widened to f32 and rounded
-    /// once, averages divided at the end, as on the network path), in the call's turn.
+    /// All-reduce through the shared-memory arena (16-bit floats at their own width, reduced in
+    /// f32 and rounded once; averages divided at the end, as on the network path), in the
+    /// call's turn.
     fn arena_all_reduce<T: Reducible>(
         &self,
         arena: &Arena,
@@ -187,30 +188,16 @@ impl Run<'_> {
         chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
         let fp = call.fingerprint();
         let (timeout, engine) = (self.timeout, &*self.engine);
-        // What this rank puts into the shared arena is what it "sends".
-        match self.widened(buf) {
-            Some(mut wide) => {
-                let done = arena
-                    .all_reduce(&mut wide, op, &fp, T::DTYPE, tag, timeout, engine)
-                    .map(|()| {
-                        count_sent(size_of_val(wide.as_slice()));
-                        if op == ReduceOp::Avg {
-                            f32::finish_avg(&mut wide, n);
-                        }
-                        T::narrow(buf, &wide);
-                    });
-                self.pool.give(wide);
-                done
-            }
-            None => arena
-                .all_reduce(buf, op, &fp, T::DTYPE, tag, timeout, engine)
-                .map(|()| {
-                    count_sent(size_of_val(buf));
-                    if op == ReduceOp::Avg {
-                        T::finish_avg(buf, n);
-                    }
-                }),
-        }
+        // What this rank puts into the shared arena is what it "sends". 16-bit floats go in at
+        // their own width; the arena reduces them in f32, divides averages and rounds once.
+        arena
+            .all_reduce(buf, op, &fp, T::DTYPE, tag, timeout, engine)
+            .map(|()| {
+                count_sent(size_of_val(buf));
+                if op == ReduceOp::Avg && !T::WIDENS {
+                    T::finish_avg(buf, n);
+                }
+            })
     }
 
     fn execute_rounds<T: Reducible>(

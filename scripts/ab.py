@@ -2,7 +2,7 @@
 """Two distcomm builds against each other, op by op and size by size, in alternating runs.
 
     python3 scripts/ab.py --old /tmp/distcomm-old --new target/release/distcomm \
-        [--world 2,4] [--transport shm|tcp] [--ops all_reduce,...,pingpong] \
+        [--world 2,4] [--transport shm|tcp] [--ops all_reduce,...,p2p] \
         [--sizes 8,1K,64K,1M,16M,64M] [--reps 3] [--json OUT]
 
 For every (op, world) it runs `distcomm bench <op> -n <world> --sizes ... --no-check --json`
@@ -28,11 +28,11 @@ def run(exe, op, world, sizes, transport):
     env = dict(os.environ, DISTCOMM_TRANSPORT=transport)
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         cmd = [exe, "bench", op, "--no-check", "--json", tmp.name]
-        if op != "pingpong":
+        if op != "p2p":
             cmd += ["-n", str(world)]
         cmd += ["--sizes", sizes]
         subprocess.run(cmd, capture_output=True, check=True, env=env, timeout=1800)
-        return {int(r["bytes"]): float(r["time_us"]) for r in json.load(open(tmp.name))}
+        return {(r["op"], int(r["bytes"])): float(r["time_us"]) for r in json.load(open(tmp.name))}
 
 
 def main():
@@ -53,7 +53,7 @@ def main():
     print(f"{'op':<16}{'world':>6}{'bytes':>10}{'old us':>12}{'new us':>12}{'ratio':>8}  spread")
     for world in map(int, a.world.split(",")):
         for op in a.ops.split(","):
-            if op == "pingpong" and world != 2:
+            if op == "p2p" and world != 2:
                 continue
             olds, news = [], []
             for rep in range(a.reps):
@@ -65,20 +65,21 @@ def main():
                     got[name] = run(exe, op, world, a.sizes, a.transport)
                 olds.append(got["old"])
                 news.append(got["new"])
-            for size in sorted(olds[0]):
-                ratios = [n[size] / o[size] for o, n in zip(olds, news) if size in n and o[size] > 0]
+            for key in sorted(olds[0], key=lambda k: (k[0], k[1])):
+                name, size = key
+                ratios = [n[key] / o[key] for o, n in zip(olds, news) if key in n and o[key] > 0]
                 if not ratios:
                     continue
                 r = statistics.median(ratios)
                 beyond = min(ratios) > 1 + a.noise
                 slower += beyond
-                row = {"op": op, "world": world, "bytes": size, "ratio": r,
+                row = {"op": name, "world": world, "bytes": size, "ratio": r,
                        "min": min(ratios), "max": max(ratios),
-                       "old_us": statistics.median(o[size] for o in olds),
-                       "new_us": statistics.median(n[size] for n in news if size in n)}
+                       "old_us": statistics.median(o[key] for o in olds),
+                       "new_us": statistics.median(n[key] for n in news if key in n)}
                 rows.append(row)
                 mark = "  SLOWER" if beyond else ""
-                print(f"{op:<16}{world:>6}{size:>10}{row['old_us']:>12.2f}{row['new_us']:>12.2f}"
+                print(f"{name:<16}{world:>6}{size:>10}{row['old_us']:>12.2f}{row['new_us']:>12.2f}"
                       f"{r:>8.2f}  {min(ratios):.2f}-{max(ratios):.2f}{mark}", flush=True)
     print(f"# {len(rows)} points, {slower} slower beyond noise (every pair > {1 + a.noise:.2f})")
     if a.json:

@@ -36,10 +36,6 @@ fn bytes_mut<T: Reducible>(x: &mut [T]) -> &mut [u8] {
 }
 
 impl Inner {
-    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        self.check_rank(op, root)
-    }
-
     fn check_op<T: Reducible>(&self, op_name: &'static str, op: ReduceOp) -> Result<()> {
         if op.is_bitwise() && !T::INTEGER {
             return Err(self.invalid(
@@ -348,7 +344,7 @@ impl ProcessGroup {
 
     /// Copies `buf` of rank `root` into `buf` of every rank.
     pub fn broadcast<T: Reducible>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.inner.check_root("broadcast", root)?;
+        self.inner.check_rank("broadcast", root)?;
         let turn = self.inner.issue();
         self.inner.broadcast_on(turn, buf, root)
     }
@@ -359,7 +355,7 @@ impl ProcessGroup {
         mut buf: Vec<T>,
         root: usize,
     ) -> Result<Work<Vec<T>>> {
-        self.inner.check_root("broadcast", root)?;
+        self.inner.check_rank("broadcast", root)?;
         let turn = self.inner.issue();
         self.spawn("broadcast", move |g| {
             g.broadcast_on(turn, &mut buf, root)?;
@@ -370,7 +366,7 @@ impl ProcessGroup {
     /// Reduces `buf` of every rank into `buf` of `root` (other ranks' buffers are left holding
     /// partial results).
     pub fn reduce<T: Reducible>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        self.inner.check_root("reduce", root)?;
+        self.inner.check_rank("reduce", root)?;
         self.inner.check_op::<T>("reduce", op)?;
         let turn = self.inner.issue();
         self.inner.reduce_on(turn, buf, root, op)
@@ -383,7 +379,7 @@ impl ProcessGroup {
         root: usize,
         op: ReduceOp,
     ) -> Result<Work<Vec<T>>> {
-        self.inner.check_root("reduce", root)?;
+        self.inner.check_rank("reduce", root)?;
         self.inner.check_op::<T>("reduce", op)?;
         let turn = self.inner.issue();
         self.spawn("reduce", move |g| {
@@ -422,7 +418,7 @@ impl ProcessGroup {
         output: Option<&mut [T]>,
         root: usize,
     ) -> Result<()> {
-        self.inner.check_root("gather", root)?;
+        self.inner.check_rank("gather", root)?;
         let turn = self.inner.issue();
         self.inner.gather_on(turn, input, output, root)
     }
@@ -430,7 +426,7 @@ impl ProcessGroup {
     /// Async [`gather`](Self::gather); the root's handle gives the `n × len` output, the
     /// others' an empty buffer.
     pub fn gather_async<T: Reducible>(&self, input: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
-        self.inner.check_root("gather", root)?;
+        self.inner.check_rank("gather", root)?;
         let turn = self.inner.issue();
         self.spawn("gather", move |g| {
             if g.rank == root {
@@ -451,7 +447,7 @@ impl ProcessGroup {
         output: &mut [T],
         root: usize,
     ) -> Result<()> {
-        self.inner.check_root("scatter", root)?;
+        self.inner.check_rank("scatter", root)?;
         let turn = self.inner.issue();
         self.inner.scatter_on(turn, input, output, root)
     }
@@ -464,7 +460,7 @@ impl ProcessGroup {
         block: usize,
         root: usize,
     ) -> Result<Work<Vec<T>>> {
-        self.inner.check_root("scatter", root)?;
+        self.inner.check_rank("scatter", root)?;
         let turn = self.inner.issue();
         self.spawn("scatter", move |g| {
             let mut out = vec![T::zeroed(); block];

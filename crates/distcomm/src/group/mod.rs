@@ -26,7 +26,7 @@ pub use crate::config::Backend;
 pub(crate) use crate::order::Turn;
 pub use builder::{init, GroupBuilder};
 
-use crate::backend::{Backend as Carrier, Split, CTX_PER_GROUP};
+use crate::backend::{Backend as Carrier, Split};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
@@ -327,7 +327,7 @@ impl ProcessGroup {
         let me = ranks.iter().position(|&r| r == self.rank());
         let members: Vec<usize> = ranks.iter().map(|&r| self.inner.members[r]).collect();
         // Every rank of this group takes part: on MPI the split is collective.
-        self.child("new_group", members, me, u64::from(id), true)
+        self.child(members, me, u64::from(id), true)
     }
 
     /// Creates a subgroup of the group ranks `ranks` (in that order), called **only by its
@@ -403,7 +403,7 @@ impl ProcessGroup {
                 })?
         };
         let id = u64::try_from(id).map_err(|_| invalid(format!("group number {id}")))?;
-        let group = self.child("subgroup", members, Some(me), SUBGROUP_BASE + id, false)?;
+        let group = self.child(members, Some(me), SUBGROUP_BASE + id, false)?;
         group.ok_or_else(|| invalid("the backend made no group of its members".into()))
     }
 
@@ -411,19 +411,11 @@ impl ProcessGroup {
     /// among the job's groups (its contexts start at `id × 4`); `None` for a non-member.
     fn child(
         &self,
-        op: &'static str,
         members: Vec<usize>,
         me: Option<usize>,
         id: u64,
         collective: bool,
     ) -> Result<Option<ProcessGroup>> {
-        if id
-            .checked_mul(u64::from(CTX_PER_GROUP))
-            .and_then(|c| u32::try_from(c).ok())
-            .is_none()
-        {
-            return Err(self.inner.invalid(op, "too many groups".into()));
-        }
         let members = Arc::new(members);
         let how = Split {
             members: members.clone(),

@@ -235,18 +235,22 @@ impl Backend for NativeBackend {
         collectives::run(self, c, coll)
     }
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {
-        let Some(me) = how.me else {
-            return Ok(None);
-        };
         let ctx = how
             .id
             .checked_mul(u64::from(CTX_PER_GROUP))
             .and_then(|c| u32::try_from(c).ok())
             .ok_or_else(|| Error::InvalidArgument {
-                op: "new_group",
+                op: if how.collective {
+                    "new_group"
+                } else {
+                    "subgroup"
+                },
                 rank: self.rank,
-                detail: "too many groups".into(),
+                detail: format!("too many groups (group number {})", how.id),
             })?;
+        let Some(me) = how.me else {
+            return Ok(None);
+        };
         Ok(Some(Arc::new(NativeBackend {
             engine: self.engine.clone(),
             members: how.members.clone(),

@@ -42,6 +42,8 @@ use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::shm::Region;
 use crate::transport::tcp::Engine;
 
+pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
+
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
 const OFF_MAGIC: usize = 0;
 const OFF_BROKEN: usize = 64;
@@ -62,10 +64,6 @@ const NAP: Duration = Duration::from_micros(50);
 /// Chunks up to this many bytes take one barrier: every rank reduces all of it (n reads of a
 /// small chunk cost less than a second barrier).
 const SMALL: usize = 16 << 10;
-
-/// Default chunk per slot. Measured on 2 ranks, 64 MiB all_reduce busbw: 1.97–2.03 GB/s in
-/// 1 MiB chunks, 2.17–2.22 in 2 MiB, 2.21–2.30 in 4 MiB (the arena takes 2·(n+1) chunks).
-pub(crate) const DEFAULT_CHUNK: usize = 2 << 20;
 
 fn data_base(n: usize) -> usize {
     (CTRL + n * CTRL_STRIDE).next_multiple_of(4096)
@@ -623,24 +621,6 @@ impl Arena {
         }
         done
     }
-}
-
-/// A call running through [`Arena::exchange`].
-pub(crate) struct Exchange<'a> {
-    pub op: &'static str,
-    pub fp: &'a Fingerprint,
-    pub dtype: DType,
-    pub tag: u32,
-    pub timeout: Duration,
-    pub engine: &'a Engine,
-}
-
-/// Settings of the arena.
-pub(crate) struct ArenaConfig {
-    pub enabled: bool,
-    pub chunk: usize,
-    pub oversubscribed: bool,
-    pub max_bytes: usize,
 }
 
 /// Sets up the world group's arena through the store, if every rank says all its links are

@@ -10,25 +10,9 @@ use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::tcp::Engine;
 
-pub(crate) const DEFAULT_CHUNK: usize = 2 << 20;
+pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 
 pub(crate) enum Arena {}
-
-pub(crate) struct Exchange<'a> {
-    pub op: &'static str,
-    pub fp: &'a Fingerprint,
-    pub dtype: DType,
-    pub tag: u32,
-    pub timeout: Duration,
-    pub engine: &'a Engine,
-}
-
-pub(crate) struct ArenaConfig {
-    pub enabled: bool,
-    pub chunk: usize,
-    pub oversubscribed: bool,
-    pub max_bytes: usize,
-}
 
 impl Arena {
     pub(crate) fn usable(&self) -> bool {

@@ -162,6 +162,21 @@ impl Fingerprint {
     }
 }
 
+/// Everything about a posted operation except its buffer and its peer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Envelope {
+    /// The API operation, for errors.
+    pub op: &'static str,
+    pub dtype: DType,
+    /// Communication context (group and kind of traffic).
+    pub ctx: u32,
+    pub tag: u32,
+    /// The check word, compared with the receive's and never interpreted; a non-empty one
+    /// makes the message *scheduled* (see the transport's `protocol::refusal`): exact size, no answer awaited.
+    /// [`Fingerprint::NONE`] for ordinary messages.
+    pub fp: Fingerprint,
+}
+
 /// One collective call as every rank must see it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Call {

@@ -15,11 +15,11 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::{CTX_PIPE, CTX_USER};
+use crate::call::Envelope;
 use crate::call::Fingerprint;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::group::ProcessGroup;
-use crate::transport::tcp::Envelope;
 use crate::work::{Fitted, Status, Work};
 
 /// At most this many dimensions per tensor.

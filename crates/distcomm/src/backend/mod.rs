@@ -21,11 +21,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::call::Call;
+use crate::call::Envelope;
 use crate::device::Memory;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::ReduceOp;
-use crate::transport::Envelope;
 use crate::work::{BoxBuf, Driver, OpCell, Status, Work};
 
 /// A point-to-point operation a backend has posted: its completion cell and the driver that

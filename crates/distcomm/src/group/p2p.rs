@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use super::{Inner, ProcessGroup};
 use crate::backend::{Small, CTX_USER};
+use crate::call::Envelope;
 use crate::call::Fingerprint;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::transport::Envelope;
 use crate::work::{BoxBuf, Status, Work};
 
 impl Inner {

@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use super::Inner;
 use crate::backend::CTX_COLL;
+use crate::call::Envelope;
 use crate::call::{Call, CallKind};
 use crate::commslog::count_sent;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::transport::Envelope;
 use crate::work::{wait_all, Pending, Work};
 
 impl Inner {

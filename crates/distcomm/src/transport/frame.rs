@@ -248,7 +248,13 @@ impl Header {
             dtype,
             ctx: u32_at(0),
             tag: u32_at(4),
-            aux: LANE | if fp.kind != 0 { EAGER_NO_ACK } else { 0 },
+            // A scheduled message (a collective's, see `protocol::refusal`) awaits no answer.
+            aux: LANE
+                | if fp != Fingerprint::NONE {
+                    EAGER_NO_ACK
+                } else {
+                    0
+                },
             msg_id: seq,
             len: len as u64,
             fp,
@@ -298,7 +304,7 @@ mod tests {
             let fp = Fingerprint { kind: fk, op: fo, root, count };
             let h = Header { kind: Kind::Eager, dtype, ctx, tag, aux: 0, msg_id: 0, len: n as u64, fp };
             let got = Header::decode_lane(&h.encode_lane(), seq, n).unwrap();
-            let aux = LANE | if fk != 0 { EAGER_NO_ACK } else { 0 };
+            let aux = LANE | if fp != Fingerprint::NONE { EAGER_NO_ACK } else { 0 };
             prop_assert_eq!(got, Header { aux, msg_id: seq, ..h });
         }
 

@@ -21,7 +21,6 @@ pub(crate) mod protocol;
 #[cfg(target_os = "linux")]
 pub(crate) mod shm;
 pub(crate) mod tcp;
-pub(crate) use tcp::Envelope;
 
 #[cfg(target_os = "linux")]
 pub(crate) use shm::ShmLink;

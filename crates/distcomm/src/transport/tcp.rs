@@ -11,7 +11,7 @@ use std::os::fd::AsRawFd;
 
 use crate::error::{Error, Result};
 
-pub(crate) use super::engine::{Engine, EngineConfig, Envelope, Fast};
+pub(crate) use super::engine::{Engine, EngineConfig, Fast};
 
 /// Reads what the socket has into `dst`: `Ok(0)` when nothing is there now, `Err` when the
 /// connection is gone.

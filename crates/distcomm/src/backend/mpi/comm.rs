@@ -12,10 +12,10 @@ use super::types::*;
 use super::Coll;
 use crate::backend::Posted;
 use crate::backend::{CTX_PER_GROUP, CTX_PIPE, CTX_USER};
+use crate::call::Envelope;
 use crate::completion::{BoxBuf, Driver, OpCell};
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::Envelope;
 
 /// The communicators of one group: one per message context, so that user messages,
 /// pipeline traffic and collectives never match each other.

@@ -49,10 +49,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{typed, typed_mut, with_dtype, Backend, CollCall, Posted, Split};
+use crate::call::Envelope;
 use crate::device::Memory;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::Envelope;
 use crate::work::BoxBuf;
 
 /// One group on MPI: its communicators.
@@ -183,9 +183,9 @@ mod stub {
 
     use super::Coll;
     use crate::backend::Posted;
+    use crate::call::Envelope;
     use crate::error::Result;
     use crate::reduce::Reducible;
-    use crate::transport::Envelope;
     use crate::work::BoxBuf;
 
     pub(crate) enum Comm {}

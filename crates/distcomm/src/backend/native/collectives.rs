@@ -20,13 +20,13 @@ use super::NativeBackend;
 use crate::algorithms::{self as alg, Schedule, Space, Step};
 use crate::backend::{typed, typed_mut, with_dtype, Coll, CollCall, CTX_COLL};
 use crate::call::Call;
+use crate::call::Envelope;
 use crate::commslog::count_sent;
 use crate::completion::{Deadline, RawView};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::order::Turn;
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::Envelope;
 use crate::work::{wait_all, Pending, Work};
 
 // Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for

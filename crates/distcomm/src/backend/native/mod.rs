@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use self::arena::Arena;
 use super::{Backend, Coll, CollCall, Posted, Small, Split, CTX_BARRIER, CTX_PER_GROUP};
+use crate::call::Envelope;
 use crate::call::{Call, Fingerprint};
 use crate::config::Config;
 use crate::device::Memory;
@@ -32,7 +33,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::transport::tcp::{Engine, Fast};
-use crate::transport::{CancelNote, CancelledOp, Envelope, LinkKind};
+use crate::transport::{CancelNote, CancelledOp, LinkKind};
 use crate::work::{BoxBuf, Driver, Status, Work};
 
 /// Default chunk per slot. Measured on 2 ranks, 64 MiB all_reduce busbw: 1.97–2.03 GB/s in

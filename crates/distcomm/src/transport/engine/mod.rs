@@ -57,6 +57,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::call::Envelope;
 use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -85,21 +86,6 @@ mod recv;
 mod wire;
 
 use wire::data_chunk;
-
-/// Everything about a posted operation except its buffer and its peer.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Envelope {
-    /// The API operation, for errors.
-    pub op: &'static str,
-    pub dtype: DType,
-    /// Communication context (group and kind of traffic).
-    pub ctx: u32,
-    pub tag: u32,
-    /// The check word, compared with the receive's and never interpreted; a non-empty one
-    /// makes the message *scheduled* (see `protocol::refusal`): exact size, no answer awaited.
-    /// [`Fingerprint::NONE`] for ordinary messages.
-    pub fp: Fingerprint,
-}
 
 impl Envelope {
     /// The Eager header of message `msg_id` of `len` bytes.

@@ -72,6 +72,7 @@ pub mod call;
 pub mod commslog;
 mod completion;
 pub mod config;
+pub mod copy;
 mod crypto;
 pub mod device;
 pub mod diag;

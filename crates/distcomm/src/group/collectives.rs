@@ -23,6 +23,7 @@ use crate::backend::{Coll, CollCall};
 use crate::call::{Call, CallKind};
 use crate::commslog::sent_bytes;
 use crate::completion::block;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
 use crate::work::{Deadline, Driver, OpCell, Work};
@@ -102,7 +103,7 @@ impl Inner {
                 format!("output holds {} elements, needs {n} x {k}", output.len()),
             ));
         }
-        output[r * k..(r + 1) * k].copy_from_slice(input);
+        copy(&mut output[r * k..(r + 1) * k], input);
         let call = Call::new(CallKind::AllGather, k).bytes(size_of_val(output));
         self.run::<T>(call, turn, Coll::AllGather(bytes(input), bytes_mut(output)))
     }
@@ -126,7 +127,7 @@ impl Inner {
                         format!("output holds {} elements, needs {n} x {k}", out.len()),
                     ));
                 }
-                out[r * k..(r + 1) * k].copy_from_slice(input);
+                copy(&mut out[r * k..(r + 1) * k], input);
                 Some(bytes_mut(out))
             }
             None if r == root => {
@@ -159,7 +160,7 @@ impl Inner {
                 format!("input holds {} elements, needs {n} x {k}", input.len()),
             ));
         }
-        output.copy_from_slice(&input[r * k..(r + 1) * k]);
+        copy(output, &input[r * k..(r + 1) * k]);
         let coll = Coll::Scatter(Some(bytes(input)), bytes_mut(output), root);
         self.run::<T>(call, turn, coll)
     }
@@ -220,7 +221,7 @@ impl Inner {
                 "this rank's own send and receive counts differ".into(),
             ));
         }
-        output[rr[r].clone()].copy_from_slice(&input[sr[r].clone()]);
+        copy(&mut output[rr[r].clone()], &input[sr[r].clone()]);
         // Uneven splits differ per rank, so only the equal form fingerprints its count.
         let call = Call::new(CallKind::AllToAll, if uneven { 0 } else { input.len() })
             .bytes(size_of_val(input));

@@ -9,6 +9,7 @@ use super::{Inner, ProcessGroup};
 use crate::backend::{Small, CTX_USER};
 use crate::call::Envelope;
 use crate::call::Fingerprint;
+use crate::copy::copy;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::work::{BoxBuf, Status, Work};
@@ -284,6 +285,6 @@ fn finish_recv<T: Element>(w: Work<Vec<T>>, out: &mut [T], timeout: Duration) ->
     let status = w.wait_timeout(timeout)?;
     let buf = w.into_buffer()?;
     let n = status.bytes / std::mem::size_of::<T>().max(1);
-    out[..n].copy_from_slice(&buf[..n]);
+    copy(&mut out[..n], &buf[..n]);
     Ok(status)
 }

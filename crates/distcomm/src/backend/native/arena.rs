@@ -36,6 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::call::Fingerprint;
+use crate::copy::copy;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
@@ -480,7 +481,7 @@ impl Arena {
                     }
                 };
                 // SAFETY: see above.
-                unsafe { self.region.view_mut::<T>(at(self.me), m) }.copy_from_slice(chunk);
+                copy(unsafe { self.region.view_mut::<T>(at(self.me), m) }, chunk);
                 self.seq(self.me, parity)
                     .store(2 * step + 2, Ordering::Release);
                 self.barrier(parity, 2 * step + 2, w)?;
@@ -493,8 +494,10 @@ impl Arena {
                 continue;
             }
             // SAFETY: see above.
-            unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) }
-                .copy_from_slice(chunk);
+            copy(
+                unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) },
+                chunk,
+            );
             self.seq(self.me, parity)
                 .store(2 * step + 1, Ordering::Release);
             self.barrier(parity, 2 * step + 1, w)?;
@@ -519,7 +522,9 @@ impl Arena {
                 .store(2 * step + 2, Ordering::Release);
             self.barrier(parity, 2 * step + 2, w)?;
             // SAFETY: see above.
-            chunk.copy_from_slice(unsafe { self.region.view::<T>(self.result(parity), m) });
+            copy(chunk, unsafe {
+                self.region.view::<T>(self.result(parity), m)
+            });
         }
         Ok(())
     }

@@ -23,6 +23,7 @@ use crate::call::Call;
 use crate::call::Envelope;
 use crate::commslog::count_sent;
 use crate::completion::{Deadline, RawView};
+use crate::copy::copy;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::order::Turn;
@@ -311,7 +312,7 @@ impl Run<'_> {
                 if reduce {
                     T::reduce_into(dst, &data, op);
                 } else {
-                    dst.copy_from_slice(&data);
+                    copy(dst, &data);
                 }
                 self.pool.give(data);
             }
@@ -531,7 +532,7 @@ impl Run<'_> {
                 work.extend_from_slice(input);
                 let done = self.execute(call, tag, &sched, &mut work, &[]);
                 if done.is_ok() {
-                    output.copy_from_slice(&work[mine]);
+                    copy(output, &work[mine]);
                 }
                 self.pool.give(work);
                 done?;

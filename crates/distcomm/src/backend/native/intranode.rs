@@ -17,6 +17,7 @@ use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::Call;
 use crate::commslog::count_sent;
+use crate::copy::{copy, copy_bytes};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 
@@ -84,7 +85,7 @@ impl Run<'_> {
             timeout: self.timeout,
             engine: &self.engine,
         };
-        let copy = |dst: &mut [u8], src: &[u8]| dst.copy_from_slice(src);
+        let copy = copy_bytes;
         match coll {
             Coll::Broadcast(buf, root) => {
                 let len = buf.len();
@@ -219,7 +220,7 @@ impl Run<'_> {
             if op == ReduceOp::Avg {
                 T::finish_avg(&mut acc, n);
             }
-            out.copy_from_slice(&acc);
+            copy(out, &acc);
         }
         self.pool.give(acc);
         r
@@ -246,17 +247,12 @@ impl Run<'_> {
             }
             let theirs = &typed::<A>(s.op, part)?[block.clone()];
             if r == 0 {
-                acc.copy_from_slice(theirs);
+                copy(acc, theirs);
             } else {
                 A::reduce_into(acc, theirs, op);
             }
             Ok(())
         };
-        arena.exchange(
-            s,
-            &|_| bytes.len(),
-            &mut |p| p.copy_from_slice(bytes),
-            &mut get,
-        )
+        arena.exchange(s, &|_| bytes.len(), &mut |p| copy_bytes(p, bytes), &mut get)
     }
 }

@@ -59,6 +59,7 @@ use std::time::{Duration, Instant};
 
 use crate::call::Envelope;
 use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status};
+use crate::copy::copy_bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::transport::frame::{

@@ -111,7 +111,7 @@ impl State {
     /// unexpected queue.
     pub(super) fn deliver_eager(&mut self, src: usize, h: Header, data: Vec<u8>) {
         if let Some((mut r, data)) = self.match_arrived(src, &h, data) {
-            r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
+            copy_bytes(&mut r.buf.bytes_mut()[..data.len()], &data);
             self.answer(src, &h, None);
             complete_recv(r, src, &h);
         }
@@ -152,7 +152,7 @@ impl State {
         match u.data {
             Some(addr) if u.hdr.kind == Kind::Rget => self.fetch(u.src, u.hdr, r, &addr),
             Some(data) => {
-                r.buf.bytes_mut()[..data.len()].copy_from_slice(&data);
+                copy_bytes(&mut r.buf.bytes_mut()[..data.len()], &data);
                 self.answer(u.src, &u.hdr, None);
                 complete_recv(r, u.src, &u.hdr);
             }

@@ -65,7 +65,10 @@ impl State {
                     if avail > 0 {
                         let n = avail.min(total - got);
                         if !dst.is_empty() {
-                            dst[..n].copy_from_slice(&peer.rxbuf[peer.rx_start..peer.rx_start + n]);
+                            copy_bytes(
+                                &mut dst[..n],
+                                &peer.rxbuf[peer.rx_start..peer.rx_start + n],
+                            );
                         }
                         peer.rx_start += n;
                         got += n;

@@ -59,6 +59,7 @@ use std::time::Instant;
 
 use memmap2::MmapRaw;
 
+use crate::copy::copy_raw;
 use crate::error::{Error, Result};
 use crate::transport::frame::{LANE_ACKS, LANE_HEAD, LANE_MAX};
 use crate::transport::{ShmConfig, TransportKind};
@@ -191,8 +192,8 @@ impl Ring {
         // inside the data area; the range lies between the consumer's head and our new tail,
         // which the consumer does not read until we publish the tail.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), first);
-            std::ptr::copy_nonoverlapping(src[first..].as_ptr(), self.data(), src.len() - first);
+            copy_raw(self.data().add(at), src.as_ptr(), first);
+            copy_raw(self.data(), src[first..].as_ptr(), src.len() - first);
         }
     }
 
@@ -244,8 +245,8 @@ impl Ring {
         // SAFETY: as in `put`; the range lies between our head and the producer's published
         // tail, which the producer does not overwrite until we publish a new head.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(at), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), dst[first..].as_mut_ptr(), rest);
+            copy_raw(dst.as_mut_ptr(), self.data().add(at), first);
+            copy_raw(dst[first..].as_mut_ptr(), self.data(), rest);
         }
     }
 }

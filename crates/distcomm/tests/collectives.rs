@@ -751,6 +751,30 @@ fn arena_collectives_match_and_detect_desync() {
             .unwrap();
         let avg = (1..=n).sum::<usize>() as f32 / n as f32;
         assert_eq!(red, [avg; 2]);
+        // Parts that move in pieces (several exchange steps per call), of lengths that are no
+        // multiple of a piece or a cache line.
+        let len = 300_007;
+        let pat = |q: usize, i: usize| (q * 31 + i * 7 + i / 251) as u8;
+        let mut b: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
+        g.broadcast(&mut b, n - 1).unwrap();
+        assert!(b.iter().enumerate().all(|(i, &x)| x == pat(n - 1, i)));
+        let mine: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
+        let mut all = vec![0u8; n * len];
+        g.all_gather(&mine, &mut all).unwrap();
+        for q in 0..n {
+            assert!((0..len).all(|i| all[q * len + i] == pat(q, i)), "block {q}");
+        }
+        let mut gathered = (r == 0).then(|| vec![0u8; n * len]);
+        g.gather(&mine, gathered.as_deref_mut(), 0).unwrap();
+        if let Some(all) = gathered {
+            assert!((0..n * len).all(|i| all[i] == pat(i / len, i % len)));
+        }
+        let k = 100_003;
+        let a2a: Vec<u8> = (0..n * k).map(|i| pat(r + i / k, i % k)).collect();
+        let mut got = vec![0u8; n * k];
+        g.all_to_all(&a2a, &mut got).unwrap();
+        // Block q of ours is block `r` of rank q's input.
+        assert!((0..n * k).all(|i| got[i] == pat(i / k + r, i % k)));
         // Broadcast from different roots.
         let mut buf = vec![1i32; 16];
         match g.broadcast(&mut buf, r % 2) {

@@ -41,29 +41,62 @@ pub(super) fn part_bytes<T: Reducible>(coll: &Coll<'_>, call: &Call, n: usize) -
     }
 }
 
-/// Parts up to this many bytes take the arena when ranks do not outnumber cores (reduce: up to
-/// [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the network schedules (shm links,
-/// one pair per point): world 2 at 1 MiB, broadcast 0.63x, gather 0.79x, scatter 0.14x,
-/// all_gather 0.52x, reduce_scatter 0.53x, all_to_all 0.88x the schedules' time; at 64 KiB
-/// 0.08x-0.57x.
+/// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
+/// outnumber cores (reduce: up to [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the
+/// network schedules (shm links, one pair per point): world 2 at 1 MiB, scatter 0.14x,
+/// reduce_scatter 0.53x the schedules' time; at 64 KiB 0.08x-0.57x. Broadcast, gather and
+/// all_gather take it at every size, in pieces (world 2, arena against network: 64 MiB
+/// broadcast 7.9-15.4 ms against 20.6-29.2, all_gather 15.5 against 17.9-25.4; world 4 on 2
+/// cores, 16 MiB: broadcast 6.2-6.9 against 9.5-16.4, all_gather 6.3-7.8 against 10.7-10.8).
 pub(super) const PART_MAX: usize = 1 << 20;
 /// Reduce through the arena up to this part: the root alone combines every part (1 MiB, world
 /// 2: 1.54x the binomial tree's time; 64 KiB: 0.12x).
 pub(super) const REDUCE_MAX: usize = 64 << 10;
-/// Parts up to this many bytes take the arena when ranks outnumber cores (world 4 on 2 cores at
-/// 1 MiB: gather 3.6x, all_gather 2.5x, all_to_all 4.1x the schedules' time, every rank waiting
-/// for the slowest to be scheduled; at 64 KiB 0.07x-0.60x).
+/// Parts of scatter, reduce and reduce_scatter up to this many bytes take the arena when ranks
+/// outnumber cores (at 1 MiB every rank waits for the slowest to be scheduled; at 64 KiB
+/// 0.07x-0.60x the schedules' time).
 pub(super) const OVERSUBSCRIBED_MAX: usize = 64 << 10;
 
 /// Whether a part of `bytes` of `coll` takes the arena.
 pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
     let max = match coll {
+        // Parts larger than a slot move in pieces, one exchange step each (see `pieces`).
+        Coll::Broadcast(..) | Coll::AllGather(..) | Coll::Gather(..) => return true,
+        Coll::AllToAll(..) => return bytes <= ALL_TO_ALL_MAX,
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,
         _ => PART_MAX,
     };
     bytes <= max.min(arena.slot_bytes())
 }
+
+/// The pieces (byte ranges) a part of `len` bytes moves in: one when it is small, else four
+/// at least (a piece is copied out by the readers while the writer copies in the next), each
+/// between 64 KiB and a slot, whole cache lines. Always one piece at least (an empty part
+/// still takes its step).
+fn pieces(len: usize, slot: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let piece = if len <= PIECE_MIN.min(slot) {
+        len.max(1)
+    } else {
+        let p = (len / 4).max(PIECE_MIN).min(slot);
+        if p >= 64 {
+            p & !63
+        } else {
+            p.max(1)
+        }
+    };
+    (0..len.max(1))
+        .step_by(piece)
+        .map(move |a| a..(a + piece).min(len))
+}
+
+/// all_to_all through the arena up to this input (bytes): above it the network schedules'
+/// single copies beat the arena's two (world 2, 16 MiB: 4.8 ms against 6.0-6.9; world 4 at
+/// 4 MiB: arena 2.6-3.4 ms, network 3.4-3.5).
+pub(super) const ALL_TO_ALL_MAX: usize = 4 << 20;
+
+/// Smallest piece of a part that moves in pieces.
+const PIECE_MIN: usize = 64 << 10;
 
 impl Run<'_> {
     /// Runs `coll` through the arena (its part fits: see [`part_bytes`]), in the call's turn.
@@ -88,36 +121,52 @@ impl Run<'_> {
         let copy = copy_bytes;
         match coll {
             Coll::Broadcast(buf, root) => {
-                let len = buf.len();
-                let sizes = |r: usize| if r == root { len } else { 0 };
                 if me == root {
-                    count_sent(len);
-                    arena.exchange(&s, &sizes, &mut |part| copy(part, buf), &mut |_, _| Ok(()))
-                } else {
-                    let mut get = |r: usize, part: &[u8]| {
-                        if r == root {
-                            copy(buf, part);
-                        }
-                        Ok(())
-                    };
-                    arena.exchange(&s, &sizes, &mut |_| {}, &mut get)
+                    count_sent(buf.len());
                 }
+                for c in pieces(buf.len(), arena.slot_bytes()) {
+                    let len = c.len();
+                    let sizes = |r: usize| if r == root { len } else { 0 };
+                    let buf = &mut buf[c];
+                    if me == root {
+                        let mut put = |part: &mut [u8]| copy(part, buf);
+                        arena.exchange(&s, &sizes, &mut put, &mut |_, _| Ok(()))?;
+                    } else {
+                        let mut get = |r: usize, part: &[u8]| {
+                            if r == root {
+                                copy(buf, part);
+                            }
+                            Ok(())
+                        };
+                        arena.exchange(&s, &sizes, &mut |_| {}, &mut get)?;
+                    }
+                }
+                Ok(())
             }
             Coll::AllGather(input, out) | Coll::Gather(input, Some(out), _) => {
                 let k = input.len();
                 count_sent(k);
-                let mut get = |r: usize, part: &[u8]| {
-                    if r != me {
-                        copy(&mut out[r * k..(r + 1) * k], part);
-                    }
-                    Ok(())
-                };
-                arena.exchange(&s, &|_| k, &mut |part| copy(part, input), &mut get)
+                for c in pieces(k, arena.slot_bytes()) {
+                    let len = c.len();
+                    let mut get = |r: usize, part: &[u8]| {
+                        if r != me {
+                            copy(&mut out[r * k + c.start..r * k + c.end], part);
+                        }
+                        Ok(())
+                    };
+                    let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
+                    arena.exchange(&s, &|_| len, &mut put, &mut get)?;
+                }
+                Ok(())
             }
             Coll::Gather(input, None, _) => {
                 count_sent(input.len());
-                let mut put = |part: &mut [u8]| copy(part, input);
-                arena.exchange(&s, &|_| input.len(), &mut put, &mut |_, _| Ok(()))
+                for c in pieces(input.len(), arena.slot_bytes()) {
+                    let len = c.len();
+                    let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
+                    arena.exchange(&s, &|_| len, &mut put, &mut |_, _| Ok(()))?;
+                }
+                Ok(())
             }
             Coll::Scatter(input, out, root) => {
                 let k = out.len();
@@ -139,13 +188,25 @@ impl Run<'_> {
             Coll::AllToAll((input, _), (out, _)) => {
                 let k = input.len() / n.max(1);
                 count_sent(input.len());
-                let mut get = |r: usize, part: &[u8]| {
-                    if r != me {
-                        copy(&mut out[r * k..(r + 1) * k], &part[me * k..(me + 1) * k]);
-                    }
-                    Ok(())
-                };
-                arena.exchange(&s, &|_| input.len(), &mut |p| copy(p, input), &mut get)
+                // Piece `c` of every block: the part holds n pieces, the one for rank `q` at
+                // `q * len`.
+                for c in pieces(k, arena.slot_bytes() / n.max(1)) {
+                    let len = c.len();
+                    let block = |q: usize| q * k + c.start..q * k + c.end;
+                    let mut put = |p: &mut [u8]| {
+                        for q in 0..n {
+                            copy(&mut p[q * len..(q + 1) * len], &input[block(q)]);
+                        }
+                    };
+                    let mut get = |r: usize, part: &[u8]| {
+                        if r != me {
+                            copy(&mut out[block(r)], &part[me * len..(me + 1) * len]);
+                        }
+                        Ok(())
+                    };
+                    arena.exchange(&s, &|_| n * len, &mut put, &mut get)?;
+                }
+                Ok(())
             }
             Coll::Reduce(buf, root, op) => {
                 let buf = crate::backend::typed_mut::<T>(s.op, buf)?;

@@ -775,6 +775,20 @@ fn arena_collectives_match_and_detect_desync() {
         g.all_to_all(&a2a, &mut got).unwrap();
         // Block q of ours is block `r` of rank q's input.
         assert!((0..n * k).all(|i| got[i] == pat(i / k + r, i % k)));
+        // A reduce larger than one exchange step goes the way of all_reduce; averages divide
+        // once, on the root (integers and 16-bit floats).
+        let mut ints = vec![3 * (r as i32 + 1); 100_003];
+        g.reduce(&mut ints, n - 1, ReduceOp::Avg).unwrap();
+        let tri = 3 * (n * (n + 1) / 2) as i32;
+        if r == n - 1 {
+            assert!(ints.iter().all(|&x| x == tri / n as i32), "{:?}", &ints[..4]);
+        }
+        let mut halves = vec![bf16::from_f32(2.0 * (r as f32 + 1.0)); 100_003];
+        g.reduce(&mut halves, 0, ReduceOp::Avg).unwrap();
+        if r == 0 {
+            let want = bf16::from_f32(tri as f32 * 2.0 / 3.0 / n as f32);
+            assert!(halves.iter().all(|&x| x == want), "{:?}", &halves[..4]);
+        }
         // Broadcast from different roots.
         let mut buf = vec![1i32; 16];
         match g.broadcast(&mut buf, r % 2) {

@@ -325,12 +325,14 @@ impl Arena {
     /// All-reduces `buf` in place through the arena. `fp`, `dtype` and `tag` describe the
     /// caller's call (for desync checks). 16-bit floats travel at 16 bits and are reduced in
     /// f32 and rounded once, `Avg` divided before rounding ([`Reducible::reduce_all`]); other
-    /// types leave `Avg`'s division to the caller.
+    /// types leave `Avg`'s division to the caller. With `root`, a reduce: only that rank takes
+    /// the result (every rank still reduces its share), the others' `buf` stays as it is.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
         buf: &mut [T],
         op: ReduceOp,
+        root: Option<usize>,
         fp: &Fingerprint,
         dtype: DType,
         tag: u32,
@@ -348,10 +350,15 @@ impl Arena {
         let result = self.run(
             buf,
             op,
+            root.is_none_or(|r| r == self.me),
             per_chunk,
             first_step,
             Wait {
-                op: "all_reduce",
+                op: if root.is_some() {
+                    "reduce"
+                } else {
+                    "all_reduce"
+                },
                 since: std::cell::Cell::new(None),
                 timeout,
                 engine,
@@ -438,6 +445,7 @@ impl Arena {
         &self,
         buf: &mut [T],
         op: ReduceOp,
+        takes: bool,
         per_chunk: usize,
         first_step: u64,
         w: Wait<'_>,
@@ -490,7 +498,9 @@ impl Arena {
                 }
                 // SAFETY: see above.
                 let slot = |r: usize| unsafe { self.region.view::<T>(at(r), m) };
-                T::reduce_all(chunk, self.n, &slot, op);
+                if takes {
+                    T::reduce_all(chunk, self.n, &slot, op);
+                }
                 continue;
             }
             // SAFETY: see above.
@@ -521,10 +531,12 @@ impl Arena {
             self.seq(self.me, parity)
                 .store(2 * step + 2, Ordering::Release);
             self.barrier(parity, 2 * step + 2, w)?;
-            // SAFETY: see above.
-            copy(chunk, unsafe {
-                self.region.view::<T>(self.result(parity), m)
-            });
+            if takes {
+                // SAFETY: see above.
+                copy(chunk, unsafe {
+                    self.region.view::<T>(self.result(parity), m)
+                });
+            }
         }
         Ok(())
     }

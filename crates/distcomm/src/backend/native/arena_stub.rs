@@ -50,6 +50,7 @@ impl Arena {
         &self,
         _buf: &mut [T],
         _op: ReduceOp,
+        _root: Option<usize>,
         _fp: &Fingerprint,
         _dtype: DType,
         _tag: u32,

@@ -192,7 +192,7 @@ impl Run<'_> {
         // What this rank puts into the shared arena is what it "sends". 16-bit floats go in at
         // their own width; the arena reduces them in f32, divides averages and rounds once.
         arena
-            .all_reduce(buf, op, &fp, T::DTYPE, tag, timeout, engine)
+            .all_reduce(buf, op, None, &fp, T::DTYPE, tag, timeout, engine)
             .map(|()| {
                 count_sent(size_of_val(buf));
                 if op == ReduceOp::Avg && !T::WIDENS {

@@ -198,8 +198,9 @@ impl Run<'_> {
                 for c in pieces(k, arena.slot_bytes() / n.max(1)) {
                     let len = c.len();
                     let block = |q: usize| q * k + c.start..q * k + c.end;
+                    // Our own block stays out (the caller copied it already).
                     let mut put = |p: &mut [u8]| {
-                        for q in 0..n {
+                        for q in (0..n).filter(|&q| q != me) {
                             copy(&mut p[q * len..(q + 1) * len], &input[block(q)]);
                         }
                     };

@@ -781,7 +781,11 @@ fn arena_collectives_match_and_detect_desync() {
         g.reduce(&mut ints, n - 1, ReduceOp::Avg).unwrap();
         let tri = 3 * (n * (n + 1) / 2) as i32;
         if r == n - 1 {
-            assert!(ints.iter().all(|&x| x == tri / n as i32), "{:?}", &ints[..4]);
+            assert!(
+                ints.iter().all(|&x| x == tri / n as i32),
+                "{:?}",
+                &ints[..4]
+            );
         }
         let mut halves = vec![bf16::from_f32(2.0 * (r as f32 + 1.0)); 100_003];
         g.reduce(&mut halves, 0, ReduceOp::Avg).unwrap();

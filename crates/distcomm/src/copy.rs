@@ -132,8 +132,8 @@ mod tests {
 
     #[test]
     fn typed_copy_keeps_the_bits() {
-        let src: Vec<f32> = (0..70_000)
-            .map(|i| f32::from_bits(i * 2_654_435_761))
+        let src: Vec<f32> = (0..70_000u32)
+            .map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)))
             .collect();
         let mut dst = vec![0f32; src.len()];
         copy(&mut dst, &src);

@@ -728,8 +728,8 @@ fn a_rank_dying_mid_collective_fails_the_others_promptly() {
 
 /// The shared-memory arena's path of the collectives other than all_reduce (every rank on one
 /// host over shared memory, parts up to its limit) gives the network path's results, and a root
-/// that differs between ranks is a desync naming both calls on every rank (a dead rank is found
-/// by the arena's waiting, tested with all_reduce).
+/// that differs between ranks is a desync on every rank, at that call or the next that reads
+/// every rank (a dead rank is found by the arena's waiting, tested with all_reduce).
 #[test]
 fn arena_collectives_match_and_detect_desync() {
     run_native("arena_collectives_match_and_detect_desync", &[2, 3], |g| {
@@ -793,17 +793,28 @@ fn arena_collectives_match_and_detect_desync() {
             let want = bf16::from_f32(tri as f32 * 2.0 / 3.0 / n as f32);
             assert!(halves.iter().all(|&x| x == want), "{:?}", &halves[..4]);
         }
-        // Broadcast from different roots.
+        // Broadcast from different roots: a rank that reads a root whose call differs finds it
+        // at once; the roots read nobody and do not wait, and every rank finds it by the next
+        // call that reads everyone (here a barrier), through the chain of earlier calls.
         let mut buf = vec![1i32; 16];
-        match g.broadcast(&mut buf, r % 2) {
-            Err(Error::Desync { ours, theirs, .. }) => {
+        let desync = |e: Result<(), Error>, what: &str| match e {
+            Err(Error::Desync { ours, theirs, .. }) => Some((ours, theirs)),
+            Err(other) => panic!("rank {r}: {what}: expected desync, got {other:?}"),
+            Ok(()) => None,
+        };
+        match desync(g.broadcast(&mut buf, r % 2), "broadcast") {
+            Some((ours, theirs)) => {
                 assert!(
                     ours.contains("root=") && theirs.contains("root="),
                     "{ours} / {theirs}"
                 );
                 assert_ne!(ours, theirs);
             }
-            other => panic!("rank {r}: expected desync, got {other:?}"),
+            None => {
+                let (ours, theirs) = desync(g.barrier(), "barrier after it")
+                    .unwrap_or_else(|| panic!("rank {r}: the desync went unnoticed"));
+                assert!(ours.contains("earlier collective"), "{ours} / {theirs}");
+            }
         }
     });
 }

@@ -48,14 +48,22 @@ pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
 const OFF_MAGIC: usize = 0;
 const OFF_BROKEN: usize = 64;
-/// Per rank: one cache line per chunk parity (sequence word, the call's fingerprint at +8, and
-/// up to [`INLINE`] bytes of data at +24, so a tiny all_reduce moves one line per peer), then a
-/// line with the collective the rank announced.
+/// Per rank: [`LINES`] cache lines, one per step modulo `LINES` (sequence word, the call's
+/// fingerprint at +8, the chain of all its calls so far at +24 (see [`chain`]), and up to
+/// [`INLINE`] bytes of data at +32, so a tiny call moves one line per peer), then a line with
+/// the collective the rank announced.
 const CTRL: usize = 4096;
-const CTRL_STRIDE: usize = 192;
-const LINE_DATA: usize = 24;
+/// Control lines per rank: how many steps a rank may run ahead of the slowest when its steps
+/// move at most [`INLINE`] bytes and it waits for nobody (the root of a small broadcast, the
+/// other ranks of a small reduce or gather). World 4 on 2 cores: a rank that must wait for
+/// every other at every call pays a context switch per call; with room to run ahead it makes
+/// many calls per time slice, and so do the ranks that read it.
+const LINES: u64 = 16;
+const CTRL_STRIDE: usize = 64 * (LINES as usize + 1);
+const LINE_CHAIN: usize = 24;
+const LINE_DATA: usize = 32;
 /// Chunks this small travel inside the control line.
-const INLINE: usize = 40;
+const INLINE: usize = 32;
 /// Spins before yielding, when ranks do not outnumber cores.
 const SPINS: u32 = 4000;
 /// After this long waiting, nap between checks instead of yielding.
@@ -89,6 +97,42 @@ pub(crate) struct Arena {
     /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
     /// Calls run one at a time, in issue order (the group's turns, see `crate::order`).
     step: AtomicU64,
+    /// The [`chain`] of every call this rank published so far.
+    chain: AtomicU64,
+}
+
+/// The chain of a rank's calls: `prev` combined with the words of the next call. Ranks that
+/// made the same calls have the same chain, so a rank that reads another's part checks, with
+/// one word, every call the other made before as well (a rank that reads nobody in a step does
+/// not wait to check; the first rank to read its part after a call that differed finds it).
+fn chain(prev: u64, w0: u64, w1: u64) -> u64 {
+    // splitmix64's finaliser over the three words: a collision of two different call
+    // histories is a 2^-64 chance.
+    let mut x = prev ^ w0.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ w1.rotate_left(31);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reads {
+    /// Every rank's.
+    All,
+    /// One rank's (the others of a broadcast or scatter read the root's).
+    Rank(usize),
+    /// Nobody's (the root of a broadcast or scatter, the others of a gather or reduce).
+    Nobody,
+}
+
+impl Reads {
+    fn ranks(self, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Reads::All => 0..n,
+            Reads::Rank(r) => r..r + 1,
+            Reads::Nobody => 0..0,
+        }
+    }
 }
 
 /// Why a rank broke the arena, as its flag word says: bit 0 set (broken), the reason in bits
@@ -198,6 +242,7 @@ impl Arena {
             members,
             oversubscribed: cfg.oversubscribed,
             step: AtomicU64::new(0),
+            chain: AtomicU64::new(0),
         }
     }
 
@@ -212,18 +257,35 @@ impl Arena {
         self.max_bytes
     }
 
-    /// Where rank `r` publishes the call that starts at `step`.
+    /// Where rank `r` publishes the call that starts at `step` (its chain 16 bytes on).
     fn fp_at(&self, r: usize, step: u64) -> usize {
-        self.line(r, step % 2) + 8
+        self.line(r, step) + 8
     }
 
-    /// Rank `r`'s control line for chunks of `parity`.
-    fn line(&self, r: usize, parity: u64) -> usize {
-        CTRL + r * CTRL_STRIDE + 64 * parity as usize
+    /// Rank `r`'s control line for `step`.
+    fn line(&self, r: usize, step: u64) -> usize {
+        CTRL + r * CTRL_STRIDE + 64 * (step % LINES) as usize
     }
 
-    fn seq(&self, r: usize, parity: u64) -> &AtomicU64 {
-        self.region.word(self.line(r, parity))
+    /// Rank `r`'s sequence word for `step`: `2·step + 1` once it put its data of the step,
+    /// `2·step + 2` once it is done with the step's shared part (see [`Arena::run`]).
+    fn seq(&self, r: usize, step: u64) -> &AtomicU64 {
+        self.region.word(self.line(r, step))
+    }
+
+    /// Publishes this rank's call starting at `step` (and its announcement), chained to its
+    /// calls before; returns the chain, to keep once the call succeeded.
+    fn publish(&self, step: u64, (w0, w1): (u64, u64)) -> u64 {
+        let chained = chain(self.chain.load(Ordering::Relaxed), w0, w1);
+        let at = self.fp_at(self.me, step);
+        self.region
+            .word(self.line(self.me, step) + LINE_CHAIN)
+            .store(chained, Ordering::Relaxed);
+        for at in [at, self.current_at(self.me)] {
+            self.region.word(at + 8).store(w1, Ordering::Relaxed);
+            self.region.word(at).store(w0, Ordering::Release);
+        }
+        chained
     }
 
     fn slot(&self, parity: u64, r: usize) -> usize {
@@ -243,10 +305,15 @@ impl Arena {
         }
     }
 
-    /// Waits until every rank's sequence word of `parity` reaches `target`.
-    fn barrier(&self, parity: u64, target: u64, w: &Wait<'_>) -> Result<()> {
-        for r in 0..self.n {
-            let seq = self.seq(r, parity);
+    /// Waits until every rank's sequence word of `step` reaches `target`.
+    fn barrier(&self, step: u64, target: u64, w: &Wait<'_>) -> Result<()> {
+        self.wait_for(Reads::All, step, target, w)
+    }
+
+    /// Waits until the sequence word of `step` of the ranks `who` reaches `target`.
+    fn wait_for(&self, who: Reads, step: u64, target: u64, w: &Wait<'_>) -> Result<()> {
+        for r in who.ranks(self.n) {
+            let seq = self.seq(r, step);
             let mut turns = 0u32;
             while seq.load(Ordering::Acquire) < target {
                 turns = turns.wrapping_add(1);
@@ -309,7 +376,21 @@ impl Arena {
 
     /// Where rank `r` announces the collective it is in ([`Arena::announce`]).
     fn current_at(&self, r: usize) -> usize {
-        CTRL + r * CTRL_STRIDE + 128
+        CTRL + r * CTRL_STRIDE + 64 * LINES as usize
+    }
+
+    /// Waits, before this rank starts `step`, until it may write what the step writes: its
+    /// control line of the step (used again `LINES` steps later: every rank must have arrived
+    /// at the step after the one that last used it, and so be done reading it) and, when
+    /// `slots` (its data slot or the shared result of the step's parity), those too (every
+    /// rank arrived at `step - 1`, so all are done with `step - 2`, the last one that used
+    /// them). A step that waited for every rank leaves both true for the next.
+    fn begin(&self, step: u64, slots: bool, w: &Wait<'_>) -> Result<()> {
+        let back = if slots { 1 } else { LINES - 1 };
+        match step.checked_sub(back) {
+            Some(before) => self.wait_for(Reads::All, before, 2 * before + 1, w),
+            None => Ok(()),
+        }
     }
 
     /// Tells the other ranks which collective this rank is in (every collective of the group
@@ -366,15 +447,16 @@ impl Arena {
             },
         );
         match &result {
-            Ok(()) => {
+            Ok(chained) => {
                 let ran = buf.len().div_ceil(per_chunk) as u64;
+                self.chain.store(*chained, Ordering::Relaxed);
                 self.step.store(first_step + ran, Ordering::Release);
             }
             // The ranks' chunk counters may no longer agree (a rank ran another collective, or
             // stopped mid-call): nobody uses the arena again.
             Err(e) => self.break_for(e),
         }
-        result
+        result.map(|_| ())
     }
 
     /// Breaks the arena for good after this rank's call failed with `e`, leaving in the flag
@@ -449,19 +531,17 @@ impl Arena {
         per_chunk: usize,
         first_step: u64,
         w: Wait<'_>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let w = &w;
         let size = std::mem::size_of::<T>();
         let (w0, w1) = w.call;
-
-        // By parity of the first step: a rank that finished this call and started the next
+        // Later chunks of the call need no wait of their own: every rank passed the last
+        // barrier of the chunk before, a full one.
+        let first_bytes = size * per_chunk.min(buf.len());
+        self.begin(first_step, first_bytes > INLINE, w)?;
+        // In the first step's line: a rank that finished this call and started the next
         // cannot overwrite what a slower rank is about to check.
-        let ctrl = self.fp_at(self.me, first_step);
-        self.region.word(ctrl + 8).store(w1, Ordering::Relaxed);
-        self.region.word(ctrl).store(w0, Ordering::Release);
-        let at = self.current_at(self.me);
-        self.region.word(at + 8).store(w1, Ordering::Relaxed);
-        self.region.word(at).store(w0, Ordering::Release);
+        let chained = self.publish(first_step, w.call);
 
         for (k, chunk) in buf.chunks_mut(per_chunk).enumerate() {
             let step = first_step + k as u64;
@@ -473,8 +553,9 @@ impl Arena {
             // between the two barriers of this chunk, when nobody writes them; our share of
             // the result is written only by us between the barriers, and the whole result is
             // read by everyone after barrier 2, before barrier 1 of chunk `step + 2` lets
-            // anyone write it again. Offsets are multiples of 64 plus element multiples, so
-            // aligned for T.
+            // anyone write it again ([`Arena::begin`] keeps both true after an exchange step
+            // that waited for fewer ranks). Offsets are multiples of 64 plus element
+            // multiples, so aligned for T.
             let bytes = std::mem::size_of_val(chunk);
             if bytes <= SMALL {
                 // Small: one barrier, then every rank reduces the whole chunk itself, in rank
@@ -483,18 +564,18 @@ impl Arena {
                 // arrival at the next chunk's, as above.
                 let at = |r: usize| {
                     if bytes <= INLINE {
-                        self.line(r, parity) + LINE_DATA
+                        self.line(r, step) + LINE_DATA
                     } else {
                         self.slot(parity, r)
                     }
                 };
                 // SAFETY: see above.
                 copy(unsafe { self.region.view_mut::<T>(at(self.me), m) }, chunk);
-                self.seq(self.me, parity)
+                self.seq(self.me, step)
                     .store(2 * step + 2, Ordering::Release);
-                self.barrier(parity, 2 * step + 2, w)?;
+                self.barrier(step, 2 * step + 2, w)?;
                 if k == 0 {
-                    self.check_calls(w.op, first_step, w0, w1)?;
+                    self.check_calls(Reads::All, w.op, first_step, (w0, w1), chained)?;
                 }
                 // SAFETY: see above.
                 let slot = |r: usize| unsafe { self.region.view::<T>(at(r), m) };
@@ -508,11 +589,11 @@ impl Arena {
                 unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) },
                 chunk,
             );
-            self.seq(self.me, parity)
+            self.seq(self.me, step)
                 .store(2 * step + 1, Ordering::Release);
-            self.barrier(parity, 2 * step + 1, w)?;
+            self.barrier(step, 2 * step + 1, w)?;
             if k == 0 {
-                self.check_calls(w.op, first_step, w0, w1)?;
+                self.check_calls(Reads::All, w.op, first_step, (w0, w1), chained)?;
             }
             let (lo, hi) = (m * self.me / self.n, m * (self.me + 1) / self.n);
             if hi > lo {
@@ -528,9 +609,9 @@ impl Arena {
                 };
                 T::reduce_all(out, self.n, &slot, op);
             }
-            self.seq(self.me, parity)
+            self.seq(self.me, step)
                 .store(2 * step + 2, Ordering::Release);
-            self.barrier(parity, 2 * step + 2, w)?;
+            self.barrier(step, 2 * step + 2, w)?;
             if takes {
                 // SAFETY: see above.
                 copy(chunk, unsafe {
@@ -538,15 +619,24 @@ impl Arena {
                 });
             }
         }
-        Ok(())
+        Ok(chained)
     }
 
-    /// After the first barrier of a call: every rank must have published the same call.
-    fn check_calls(&self, op: &'static str, step: u64, w0: u64, w1: u64) -> Result<()> {
-        for r in (0..self.n).filter(|&r| r != self.me) {
+    /// Once the ranks `who` published `step`: they must have published the same call, after
+    /// the same calls before it (`chained`: ours).
+    fn check_calls(
+        &self,
+        who: Reads,
+        op: &'static str,
+        step: u64,
+        (w0, w1): (u64, u64),
+        chained: u64,
+    ) -> Result<()> {
+        for r in who.ranks(self.n).filter(|&r| r != self.me) {
             let ctrl = self.fp_at(r, step);
             let t0 = self.region.word(ctrl).load(Ordering::Acquire);
             let t1 = self.region.word(ctrl + 8).load(Ordering::Relaxed);
+            let theirs = self.region.word(ctrl + 16).load(Ordering::Relaxed);
             if (t0, t1) != (w0, w1) {
                 return Err(Error::Desync {
                     op,
@@ -554,6 +644,16 @@ impl Arena {
                     peer: r,
                     ours: describe(w0, w1),
                     theirs: describe(t0, t1),
+                });
+            }
+            if theirs != chained {
+                let earlier = "after an earlier collective that differs between the two ranks";
+                return Err(Error::Desync {
+                    op,
+                    rank: self.me,
+                    peer: r,
+                    ours: format!("{}, {earlier}", describe(w0, w1)),
+                    theirs: format!("{}, {earlier}", describe(t0, t1)),
                 });
             }
         }
@@ -572,15 +672,21 @@ impl Arena {
 
     /// One step of a collective that moves data through the arena (broadcast, reduce, gather,
     /// scatter, all_gather, reduce_scatter, all_to_all, barrier): every rank writes its part,
-    /// `put` filling `sizes(me)` bytes of its own slot, and waits for all; then `get(r, part)`
-    /// reads rank `r`'s part (`sizes(r)` bytes, every rank in rank order). Parts of at most
-    /// [`slot_bytes`](Self::slot_bytes). `s` describes the call (desync checks, errors).
+    /// `put` filling `sizes(me)` bytes of its own slot; then it waits for the ranks `reads`
+    /// and `get(r, part)` reads their parts (`sizes(r)` bytes, in rank order). Parts of at
+    /// most [`slot_bytes`](Self::slot_bytes). `s` describes the call (desync checks, errors).
     ///
-    /// One barrier suffices: a rank writes its slot of this parity again two steps later, after
-    /// the barrier of the next step, which every rank reaches only once it has read this one.
+    /// A rank waits only for the ranks it reads: the root of a broadcast returns once its part
+    /// is in, the others of a reduce once theirs are. [`Arena::begin`] keeps the shared memory
+    /// consistent: a rank writes its slot of this parity again two steps later, once every
+    /// rank has arrived at the step between (and so is done reading this one), and its control
+    /// line `LINES` steps later. A rank checks the call (and the [`chain`] of calls before it)
+    /// of every rank it reads; the ranks that read its part check it, so no rank takes data
+    /// from a rank whose calls differ from its own.
     pub(crate) fn exchange(
         &self,
         s: &Exchange<'_>,
+        reads: Reads,
         sizes: &dyn Fn(usize) -> usize,
         put: &mut dyn FnMut(&mut [u8]),
         get: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
@@ -594,19 +700,6 @@ impl Arena {
             engine: s.engine,
             call: fp_words(s.fp, s.dtype, s.tag),
         };
-        let (w0, w1) = w.call;
-        for at in [self.fp_at(self.me, step), self.current_at(self.me)] {
-            self.region.word(at + 8).store(w1, Ordering::Relaxed);
-            self.region.word(at).store(w0, Ordering::Release);
-        }
-        // Parts of at most INLINE bytes travel in the control line (one line per peer).
-        let at = |r: usize| {
-            if sizes(r) <= INLINE {
-                self.line(r, parity) + LINE_DATA
-            } else {
-                self.slot(parity, r)
-            }
-        };
         let mine = sizes(self.me);
         if mine > self.chunk {
             return Err(Error::Aborted {
@@ -615,25 +708,38 @@ impl Arena {
                 reason: format!("internal: {mine} bytes do not fit the arena's slot"),
             });
         }
-        // SAFETY: our slot (or line data) of this parity is written only by us, between the
-        // barrier of the previous step and this one's (see above); it holds `chunk` bytes (line
-        // data INLINE), offsets are multiples of 8.
-        put(unsafe { self.region.view_mut::<u8>(at(self.me), mine) });
-        self.seq(self.me, parity)
-            .store(2 * step + 2, Ordering::Release);
-        let done = self
-            .barrier(parity, 2 * step + 2, &w)
-            .and_then(|()| self.check_calls(s.op, step, w0, w1))
-            .and_then(|()| {
-                (0..self.n).try_for_each(|r| {
-                    let len = sizes(r).min(self.chunk);
-                    // SAFETY: the other ranks' parts are only read between this barrier and
-                    // our arrival at the next step's, when nobody writes them.
-                    get(r, unsafe { self.region.view::<u8>(at(r), len) })
-                })
-            });
+        // Parts of at most INLINE bytes travel in the control line (one line per peer).
+        let at = |r: usize| {
+            if sizes(r) <= INLINE {
+                self.line(r, step) + LINE_DATA
+            } else {
+                self.slot(parity, r)
+            }
+        };
+        let mut chained = 0;
+        let done = self.begin(step, mine > INLINE, &w).and_then(|()| {
+            chained = self.publish(step, w.call);
+            // SAFETY: our slot (or line data) of this step is written only by us, after
+            // `begin` (see above); it holds `chunk` bytes (line data INLINE), offsets are
+            // multiples of 8.
+            put(unsafe { self.region.view_mut::<u8>(at(self.me), mine) });
+            self.seq(self.me, step)
+                .store(2 * step + 2, Ordering::Release);
+            self.wait_for(reads, step, 2 * step + 2, &w)?;
+            self.check_calls(reads, s.op, step, w.call, chained)?;
+            reads.ranks(self.n).try_for_each(|r| {
+                let len = sizes(r).min(self.chunk);
+                // SAFETY: the other ranks' parts of this step are only read between their
+                // publishing it and our arrival at the next step, before which nobody
+                // writes them again (`begin`).
+                get(r, unsafe { self.region.view::<u8>(at(r), len) })
+            })
+        });
         match &done {
-            Ok(()) => self.step.store(step + 1, Ordering::Release),
+            Ok(()) => {
+                self.chain.store(chained, Ordering::Relaxed);
+                self.step.store(step + 1, Ordering::Release);
+            }
             Err(e) => self.break_for(e),
         }
         done

@@ -14,6 +14,15 @@ pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 
 pub(crate) enum Arena {}
 
+/// As on Linux (`arena.rs`).
+#[allow(dead_code)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reads {
+    All,
+    Rank(usize),
+    Nobody,
+}
+
 impl Arena {
     pub(crate) fn usable(&self) -> bool {
         match *self {}
@@ -38,6 +47,7 @@ impl Arena {
     pub(crate) fn exchange(
         &self,
         _s: &Exchange<'_>,
+        _reads: Reads,
         _sizes: &dyn Fn(usize) -> usize,
         _put: &mut dyn FnMut(&mut [u8]),
         _get: &mut dyn FnMut(usize, &[u8]) -> Result<()>,

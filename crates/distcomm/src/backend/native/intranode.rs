@@ -12,7 +12,7 @@
 
 use std::mem::{size_of, size_of_val};
 
-use super::arena::{Arena, Exchange};
+use super::arena::{Arena, Exchange, Reads};
 use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::Call;
@@ -135,7 +135,7 @@ impl Run<'_> {
                     let buf = &mut buf[c];
                     if me == root {
                         let mut put = |part: &mut [u8]| copy(part, buf);
-                        arena.exchange(&s, &sizes, &mut put, &mut |_, _| Ok(()))?;
+                        arena.exchange(&s, Reads::Nobody, &sizes, &mut put, &mut |_, _| Ok(()))?;
                     } else {
                         let mut get = |r: usize, part: &[u8]| {
                             if r == root {
@@ -143,7 +143,7 @@ impl Run<'_> {
                             }
                             Ok(())
                         };
-                        arena.exchange(&s, &sizes, &mut |_| {}, &mut get)?;
+                        arena.exchange(&s, Reads::Rank(root), &sizes, &mut |_| {}, &mut get)?;
                     }
                 }
                 Ok(())
@@ -160,7 +160,7 @@ impl Run<'_> {
                         Ok(())
                     };
                     let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
-                    arena.exchange(&s, &|_| len, &mut put, &mut get)?;
+                    arena.exchange(&s, Reads::All, &|_| len, &mut put, &mut get)?;
                 }
                 Ok(())
             }
@@ -169,7 +169,7 @@ impl Run<'_> {
                 for c in pieces(input.len(), arena.slot_bytes()) {
                     let len = c.len();
                     let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
-                    arena.exchange(&s, &|_| len, &mut put, &mut |_, _| Ok(()))?;
+                    arena.exchange(&s, Reads::Nobody, &|_| len, &mut put, &mut |_, _| Ok(()))?;
                 }
                 Ok(())
             }
@@ -188,7 +188,12 @@ impl Run<'_> {
                         copy(part, input);
                     }
                 };
-                arena.exchange(&s, &sizes, &mut put, &mut get)
+                let reads = if me == root {
+                    Reads::Nobody
+                } else {
+                    Reads::Rank(root)
+                };
+                arena.exchange(&s, reads, &sizes, &mut put, &mut get)
             }
             Coll::AllToAll((input, _), (out, _)) => {
                 let k = input.len() / n.max(1);
@@ -210,7 +215,7 @@ impl Run<'_> {
                         }
                         Ok(())
                     };
-                    arena.exchange(&s, &|_| n * len, &mut put, &mut get)?;
+                    arena.exchange(&s, Reads::All, &|_| n * len, &mut put, &mut get)?;
                 }
                 Ok(())
             }
@@ -244,7 +249,9 @@ impl Run<'_> {
                 // The reduction reads every rank's whole input, and writes this rank's block.
                 self.reduce_block(arena, &s, input, me * k..(me + 1) * k, op, Some(out))
             }
-            Coll::Barrier => arena.exchange(&s, &|_| 0, &mut |_| {}, &mut |_, _| Ok(())),
+            Coll::Barrier => {
+                arena.exchange(&s, Reads::All, &|_| 0, &mut |_| {}, &mut |_, _| Ok(()))
+            }
             Coll::AllReduce(..) => Ok(()),
         }
     }
@@ -338,6 +345,13 @@ impl Run<'_> {
             }
             Ok(())
         };
-        arena.exchange(s, &|_| bytes.len(), &mut |p| copy_bytes(p, bytes), &mut get)
+        let reads = if reading { Reads::All } else { Reads::Nobody };
+        arena.exchange(
+            s,
+            reads,
+            &|_| bytes.len(),
+            &mut |p| copy_bytes(p, bytes),
+            &mut get,
+        )
     }
 }

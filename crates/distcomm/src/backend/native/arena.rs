@@ -1,11 +1,13 @@
-//! Intra-node all_reduce through a shared arena (Linux, every rank of the group on one host).
+//! Intra-node collectives through a shared arena (Linux, every rank of the group on one host):
+//! all_reduce (and large reduces) here, the other collectives as one [`Arena::exchange`] step
+//! per piece (`intranode.rs` says what each op puts in and takes out).
 //!
 //! In the spirit of DeepSpeed's CPU shared-memory all-reduce, without its two gaps (it silently
 //! returned unreduced data for types other than fp32/bf16/fp16, and knew only SUM): every
 //! element type and every reduce operator go through here, using the same kernels as the
 //! network algorithms.
 //!
-//! The buffer moves in chunks. Per chunk, every rank
+//! all_reduce moves the buffer in chunks. Per chunk, every rank
 //! 1. copies its chunk into its own slot and raises its sequence word;
 //! 2. waits until every rank has (barrier 1);
 //! 3. reduces its share of the chunk across all slots into the shared result (16-bit floats
@@ -13,11 +15,15 @@
 //! 4. raises its sequence word again and waits for everyone (barrier 2);
 //! 5. copies the whole reduced chunk out.
 //!
-//! Slots and results are double-buffered by chunk parity: a rank writing chunk k + 2 has passed
-//! barrier 1 of chunk k + 1, so everyone has finished reading chunk k. Each call first publishes
-//! its fingerprint (collective, operator, element type, count, sequence number); after the first
-//! barrier every rank compares all of them, so a rank that called something else is a typed
-//! desync error on every rank, never a wrong result.
+//! Every chunk or exchange is a *step*. Slots and results are double-buffered by step parity,
+//! control lines kept per step modulo [`LINES`]; before a step a rank waits until it may write
+//! them again ([`Arena::begin`]). An exchange step waits only for the ranks whose parts it
+//! reads, so a rank that reads nobody (the root of a small broadcast) runs ahead. Each step
+//! first publishes its call's fingerprint (collective, operator, element type, count, root,
+//! sequence number) and the chain of the rank's calls before it; a rank compares them for
+//! every rank it reads, so a rank that called something else is a typed desync error, never a
+//! wrong result: at once on the ranks that read its part, and on every rank by the next step
+//! that reads all (all_reduce, barrier, all_gather...).
 //!
 //! Ordering: ranks must enter the arena in the same order. Calls run in the group's issue order
 //! (the caller waits for the call's turn, see `crate::order`), one at a time, whatever thread
@@ -507,17 +513,20 @@ impl Arena {
                 rank,
                 peer,
                 reason: format!(
-                    "rank {by} lost its connection to rank {peer} during the shared-memory                      all_reduce and stopped it"
+                    "rank {by} lost its connection to rank {peer} during a collective in the \
+                     shared-memory arena and stopped it"
                 ),
             },
             Some(Broken::Timeout { by, peer }) => aborted(format!(
-                "rank {by} timed out waiting for rank {peer} in the shared-memory all_reduce                  and stopped it"
+                "rank {by} timed out waiting for rank {peer} in the shared-memory arena and \
+                 stopped it"
             )),
             Some(Broken::Desync { by, peer }) => aborted(format!(
-                "rank {by} found that rank {peer} called another collective during the                  shared-memory all_reduce and stopped it"
+                "rank {by} found that rank {peer} called another collective in the shared-memory \
+                 arena and stopped it"
             )),
             Some(Broken::PeerLost { by, .. } | Broken::Other { by }) => aborted(format!(
-                "rank {by} failed the shared-memory all_reduce and stopped it"
+                "rank {by} failed a collective in the shared-memory arena and stopped it"
             )),
             None => aborted("another rank gave up on the shared-memory arena".into()),
         }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{run, run_native};
+use common::{run, run_native, run_native_env};
 use distcomm::{DType, Element, Error, ProcessGroup, ReduceOp, Reducible};
 use half::{bf16, f16};
 
@@ -732,7 +732,28 @@ fn a_rank_dying_mid_collective_fails_the_others_promptly() {
 /// every rank (a dead rank is found by the arena's waiting, tested with all_reduce).
 #[test]
 fn arena_collectives_match_and_detect_desync() {
-    run_native("arena_collectives_match_and_detect_desync", &[2, 3], |g| {
+    run_native(
+        "arena_collectives_match_and_detect_desync",
+        &[2, 3],
+        arena_collectives,
+    );
+}
+
+/// The same in slots of 4099 bytes: parts in many pieces of an odd size, reduces that do not
+/// fit one step.
+#[test]
+fn arena_collectives_in_small_slots() {
+    let env = [("DISTCOMM_SHM_ARENA_CHUNK", "4099")];
+    run_native_env(
+        "arena_collectives_in_small_slots",
+        &[2, 3],
+        &env,
+        arena_collectives,
+    );
+}
+
+fn arena_collectives(g: &ProcessGroup) {
+    {
         let (n, r) = (g.size(), g.rank());
         if g.transport() != "shm" {
             return; // DISTCOMM_TRANSPORT=tcp: no arena
@@ -816,5 +837,5 @@ fn arena_collectives_match_and_detect_desync() {
                 assert!(ours.contains("earlier collective"), "{ours} / {theirs}");
             }
         }
-    });
+    }
 }

@@ -25,20 +25,31 @@ use crate::reduce::{ReduceOp, Reducible};
 /// `None` for all_reduce (it has its own path) and uneven all_to_all (a rank cannot find its
 /// block in another's part without that rank's counts).
 pub(super) fn part_bytes<T: Reducible>(coll: &Coll<'_>, call: &Call, n: usize) -> Option<usize> {
-    let wide = if T::WIDENS {
-        size_of::<f32>() / size_of::<T>()
-    } else {
-        1
-    };
+    let wide = widened::<T>;
     match coll {
         Coll::AllReduce(..) | Coll::Barrier => None,
         Coll::Broadcast(buf, _) => Some(buf.len()),
-        Coll::Reduce(buf, ..) => Some(buf.len() * wide),
+        Coll::Reduce(buf, ..) => Some(wide(buf.len())),
         Coll::AllGather(input, _) | Coll::Gather(input, ..) => Some(input.len()),
         Coll::Scatter(_, out, _) => Some(out.len() * n),
-        Coll::ReduceScatter(input, ..) => Some(input.len() * wide),
+        Coll::ReduceScatter(input, ..) => Some(wide(input.len())),
         Coll::AllToAll((input, _), _) => (call.count != 0).then_some(input.len()),
     }
+}
+
+/// What `bytes` of `T` take in the arena's reductions (16-bit floats combine in f32).
+fn widened<T: Reducible>(bytes: usize) -> usize {
+    if T::WIDENS {
+        bytes * (size_of::<f32>() / size_of::<T>())
+    } else {
+        bytes
+    }
+}
+
+/// Whether a reduce whose part is `part` bytes takes one exchange step (else it goes the way
+/// of all_reduce).
+fn one_step_reduce(part: usize, arena: &Arena) -> bool {
+    part <= REDUCE_MAX.min(arena.slot_bytes())
 }
 
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
@@ -67,7 +78,7 @@ pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
         Coll::Broadcast(..) | Coll::AllGather(..) | Coll::Gather(..) => return true,
         Coll::AllToAll(..) => return bytes <= ALL_TO_ALL_MAX,
         // Larger reduces go the way of all_reduce (see `through_arena`), as far as it goes.
-        Coll::Reduce(..) if bytes > REDUCE_MAX => return bytes <= arena.max_bytes(),
+        Coll::Reduce(..) if !one_step_reduce(bytes, arena) => return bytes <= arena.max_bytes(),
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,
         _ => PART_MAX,
@@ -221,7 +232,7 @@ impl Run<'_> {
             }
             Coll::Reduce(buf, root, op) => {
                 let buf = crate::backend::typed_mut::<T>(s.op, buf)?;
-                if size_of_val(buf) > REDUCE_MAX {
+                if !one_step_reduce(widened::<T>(size_of_val(buf)), arena) {
                     // Larger: every rank reduces its share, as all_reduce does.
                     count_sent(size_of_val(buf));
                     arena.all_reduce(

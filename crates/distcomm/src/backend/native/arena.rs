@@ -433,7 +433,9 @@ impl Arena {
         // all_reduce 218 µs in 256 KiB chunks vs 250 µs in one; 64 MiB 2.35 GB/s busbw in
         // 2 MiB chunks vs 1.8 in 256 KiB ones.
         // (`max` then `min`: a slot smaller than 64 KiB, as DISTCOMM_SHM_ARENA_CHUNK may ask.)
-        let chunk_bytes = (std::mem::size_of_val(buf) / 4).max(64 << 10).min(self.chunk);
+        let chunk_bytes = (std::mem::size_of_val(buf) / 4)
+            .max(64 << 10)
+            .min(self.chunk);
         let per_chunk = (chunk_bytes / size).max(1);
         let result = self.run(
             buf,

@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::broken::Broken;
 use crate::call::Fingerprint;
 use crate::copy::copy;
 use crate::dtype::DType;
@@ -137,45 +138,6 @@ impl Reads {
             Reads::All => 0..n,
             Reads::Rank(r) => r..r + 1,
             Reads::Nobody => 0..0,
-        }
-    }
-}
-
-/// Why a rank broke the arena, as its flag word says: bit 0 set (broken), the reason in bits
-/// 8–15, the rank that broke it + 1 in bits 16–39, the peer that caused it + 1 in bits 40–63
-/// (global ranks). A word this version cannot read still means broken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Broken {
-    PeerLost { by: usize, peer: usize },
-    Timeout { by: usize, peer: usize },
-    Desync { by: usize, peer: usize },
-    Other { by: usize },
-}
-
-impl Broken {
-    const RANK_MASK: u64 = (1 << 24) - 1;
-
-    fn encode(self) -> u64 {
-        let (why, by, peer) = match self {
-            Broken::PeerLost { by, peer } => (1, by, Some(peer)),
-            Broken::Timeout { by, peer } => (2, by, Some(peer)),
-            Broken::Desync { by, peer } => (3, by, Some(peer)),
-            Broken::Other { by } => (4, by, None),
-        };
-        let field = |r: usize| (r as u64 + 1) & Self::RANK_MASK;
-        1 | why << 8 | field(by) << 16 | peer.map_or(0, field) << 40
-    }
-
-    fn decode(word: u64) -> Option<Broken> {
-        let rank = |shift: u32| ((word >> shift) & Self::RANK_MASK).checked_sub(1);
-        let by = rank(16)? as usize;
-        let peer = rank(40).map(|p| p as usize);
-        match ((word >> 8) & 0xff, peer) {
-            (1, Some(peer)) => Some(Broken::PeerLost { by, peer }),
-            (2, Some(peer)) => Some(Broken::Timeout { by, peer }),
-            (3, Some(peer)) => Some(Broken::Desync { by, peer }),
-            (4, None) => Some(Broken::Other { by }),
-            _ => None,
         }
     }
 }
@@ -648,7 +610,10 @@ impl Arena {
             let ctrl = self.fp_at(r, step);
             let t0 = self.region.word(ctrl).load(Ordering::Acquire);
             let t1 = self.region.word(ctrl + 8).load(Ordering::Relaxed);
-            let theirs = self.region.word(ctrl + 16).load(Ordering::Relaxed);
+            let theirs = self
+                .region
+                .word(self.line(r, step) + LINE_CHAIN)
+                .load(Ordering::Relaxed);
             if (t0, t1) != (w0, w1) {
                 return Err(Error::Desync {
                     op,
@@ -826,26 +791,4 @@ pub(crate) fn establish(
         (true, Some(region)) => Some(Arc::new(Arena::new(region, me, members, chunk, cfg))),
         _ => None,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Broken;
-
-    #[test]
-    fn the_broken_word_says_who_and_why() {
-        for b in [
-            Broken::PeerLost { by: 0, peer: 3 },
-            Broken::Timeout { by: 7, peer: 0 },
-            Broken::Desync { by: 2, peer: 1 },
-            Broken::Other { by: 5 },
-        ] {
-            let w = b.encode();
-            assert_eq!(w & 1, 1, "{b:?} must read as broken");
-            assert_eq!(Broken::decode(w), Some(b));
-        }
-        // The old flag (1) and unknown reasons still mean broken, without a cause.
-        assert_eq!(Broken::decode(1), None);
-        assert_eq!(Broken::decode(1 | 9 << 8 | 1 << 16), None);
-    }
 }

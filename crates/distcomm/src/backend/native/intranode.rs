@@ -134,7 +134,6 @@ impl Run<'_> {
             timeout: self.timeout,
             engine: &self.engine,
         };
-        let copy = copy_bytes;
         match coll {
             Coll::Broadcast(buf, root) => {
                 if me == root {
@@ -145,12 +144,12 @@ impl Run<'_> {
                     let sizes = |r: usize| if r == root { len } else { 0 };
                     let buf = &mut buf[c];
                     if me == root {
-                        let mut put = |part: &mut [u8]| copy(part, buf);
+                        let mut put = |part: &mut [u8]| copy_bytes(part, buf);
                         arena.exchange(&s, Reads::Nobody, &sizes, &mut put, &mut |_, _| Ok(()))?;
                     } else {
                         let mut get = |r: usize, part: &[u8]| {
                             if r == root {
-                                copy(buf, part);
+                                copy_bytes(buf, part);
                             }
                             Ok(())
                         };
@@ -166,11 +165,11 @@ impl Run<'_> {
                     let len = c.len();
                     let mut get = |r: usize, part: &[u8]| {
                         if r != me {
-                            copy(&mut out[r * k + c.start..r * k + c.end], part);
+                            copy_bytes(&mut out[r * k + c.start..r * k + c.end], part);
                         }
                         Ok(())
                     };
-                    let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| copy_bytes(part, &input[c.clone()]);
                     arena.exchange(&s, Reads::All, &|_| len, &mut put, &mut get)?;
                 }
                 Ok(())
@@ -179,7 +178,7 @@ impl Run<'_> {
                 count_sent(input.len());
                 for c in pieces(input.len(), arena.slot_bytes()) {
                     let len = c.len();
-                    let mut put = |part: &mut [u8]| copy(part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| copy_bytes(part, &input[c.clone()]);
                     arena.exchange(&s, Reads::Nobody, &|_| len, &mut put, &mut |_, _| Ok(()))?;
                 }
                 Ok(())
@@ -189,14 +188,14 @@ impl Run<'_> {
                 let sizes = |r: usize| if r == root { n * k } else { 0 };
                 let mut get = |r: usize, part: &[u8]| {
                     if r == root && me != root {
-                        copy(out, &part[me * k..(me + 1) * k]);
+                        copy_bytes(out, &part[me * k..(me + 1) * k]);
                     }
                     Ok(())
                 };
                 let mut put = |part: &mut [u8]| {
                     if let Some(input) = input {
                         count_sent(input.len());
-                        copy(part, input);
+                        copy_bytes(part, input);
                     }
                 };
                 let reads = if me == root {
@@ -217,12 +216,12 @@ impl Run<'_> {
                     // Our own block stays out (the caller copied it already).
                     let mut put = |p: &mut [u8]| {
                         for q in (0..n).filter(|&q| q != me) {
-                            copy(&mut p[q * len..(q + 1) * len], &input[block(q)]);
+                            copy_bytes(&mut p[q * len..(q + 1) * len], &input[block(q)]);
                         }
                     };
                     let mut get = |r: usize, part: &[u8]| {
                         if r != me {
-                            copy(&mut out[block(r)], &part[me * len..(me + 1) * len]);
+                            copy_bytes(&mut out[block(r)], &part[me * len..(me + 1) * len]);
                         }
                         Ok(())
                     };

@@ -14,6 +14,8 @@ pub(crate) mod arena;
 #[cfg(not(target_os = "linux"))]
 #[path = "arena_stub.rs"]
 pub(crate) mod arena;
+#[cfg(target_os = "linux")]
+mod broken;
 mod collectives;
 mod intranode;
 mod setup;

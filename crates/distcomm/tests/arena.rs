@@ -1,0 +1,122 @@
+//! The shared-memory arena's collectives (every rank on one host over shared memory): the
+//! network path's results, in pieces and in small slots, and desyncs found on every rank.
+
+mod common;
+
+use common::{run_native, run_native_env};
+use distcomm::{Error, ProcessGroup, ReduceOp};
+use half::bf16;
+
+/// The shared-memory arena's path of the collectives other than all_reduce (every rank on one
+/// host over shared memory, parts up to its limit) gives the network path's results, and a root
+/// that differs between ranks is a desync on every rank, at that call or the next that reads
+/// every rank (a dead rank is found by the arena's waiting, tested with all_reduce).
+#[test]
+fn arena_collectives_match_and_detect_desync() {
+    run_native(
+        "arena_collectives_match_and_detect_desync",
+        &[2, 3],
+        arena_collectives,
+    );
+}
+
+/// The same in slots of 4099 bytes: parts in many pieces of an odd size, reduces that do not
+/// fit one step.
+#[test]
+fn arena_collectives_in_small_slots() {
+    let env = [("DISTCOMM_SHM_ARENA_CHUNK", "4099")];
+    run_native_env(
+        "arena_collectives_in_small_slots",
+        &[2, 3],
+        &env,
+        arena_collectives,
+    );
+}
+
+fn arena_collectives(g: &ProcessGroup) {
+    {
+        let (n, r) = (g.size(), g.rank());
+        if g.transport() != "shm" {
+            return; // DISTCOMM_TRANSPORT=tcp: no arena
+        }
+        // The arena's own path, first: small parts of every op give the right results.
+        let mut b = vec![r as i32 + 7; 3];
+        g.broadcast(&mut b, n - 1).unwrap();
+        assert_eq!(b, vec![n as i32 + 6; 3]);
+        g.barrier().unwrap();
+        let mut out = vec![0u8; 2 * n];
+        g.all_to_all(&vec![r as u8; 2 * n], &mut out).unwrap();
+        let want: Vec<u8> = (0..n).flat_map(|q| [q as u8; 2]).collect();
+        assert_eq!(out, want);
+        let mut red = [0f32; 2];
+        g.reduce_scatter(&vec![1f32 + r as f32; 2 * n], &mut red, ReduceOp::Avg)
+            .unwrap();
+        let avg = (1..=n).sum::<usize>() as f32 / n as f32;
+        assert_eq!(red, [avg; 2]);
+        // Parts that move in pieces (several exchange steps per call), of lengths that are no
+        // multiple of a piece or a cache line.
+        let len = 300_007;
+        let pat = |q: usize, i: usize| (q * 31 + i * 7 + i / 251) as u8;
+        let mut b: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
+        g.broadcast(&mut b, n - 1).unwrap();
+        assert!(b.iter().enumerate().all(|(i, &x)| x == pat(n - 1, i)));
+        let mine: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
+        let mut all = vec![0u8; n * len];
+        g.all_gather(&mine, &mut all).unwrap();
+        for q in 0..n {
+            assert!((0..len).all(|i| all[q * len + i] == pat(q, i)), "block {q}");
+        }
+        let mut gathered = (r == 0).then(|| vec![0u8; n * len]);
+        g.gather(&mine, gathered.as_deref_mut(), 0).unwrap();
+        if let Some(all) = gathered {
+            assert!((0..n * len).all(|i| all[i] == pat(i / len, i % len)));
+        }
+        let k = 100_003;
+        let a2a: Vec<u8> = (0..n * k).map(|i| pat(r + i / k, i % k)).collect();
+        let mut got = vec![0u8; n * k];
+        g.all_to_all(&a2a, &mut got).unwrap();
+        // Block q of ours is block `r` of rank q's input.
+        assert!((0..n * k).all(|i| got[i] == pat(i / k + r, i % k)));
+        // A reduce larger than one exchange step goes the way of all_reduce; averages divide
+        // once, on the root (integers and 16-bit floats).
+        let mut ints = vec![3 * (r as i32 + 1); 100_003];
+        g.reduce(&mut ints, n - 1, ReduceOp::Avg).unwrap();
+        let tri = 3 * (n * (n + 1) / 2) as i32;
+        if r == n - 1 {
+            assert!(
+                ints.iter().all(|&x| x == tri / n as i32),
+                "{:?}",
+                &ints[..4]
+            );
+        }
+        let mut halves = vec![bf16::from_f32(2.0 * (r as f32 + 1.0)); 100_003];
+        g.reduce(&mut halves, 0, ReduceOp::Avg).unwrap();
+        if r == 0 {
+            let want = bf16::from_f32(tri as f32 * 2.0 / 3.0 / n as f32);
+            assert!(halves.iter().all(|&x| x == want), "{:?}", &halves[..4]);
+        }
+        // Broadcast from different roots: a rank that reads a root whose call differs finds it
+        // at once; the roots read nobody and do not wait, and every rank finds it by the next
+        // call that reads everyone (here a barrier), through the chain of earlier calls.
+        let mut buf = vec![1i32; 16];
+        let desync = |e: Result<(), Error>, what: &str| match e {
+            Err(Error::Desync { ours, theirs, .. }) => Some((ours, theirs)),
+            Err(other) => panic!("rank {r}: {what}: expected desync, got {other:?}"),
+            Ok(()) => None,
+        };
+        match desync(g.broadcast(&mut buf, r % 2), "broadcast") {
+            Some((ours, theirs)) => {
+                assert!(
+                    ours.contains("root=") && theirs.contains("root="),
+                    "{ours} / {theirs}"
+                );
+                assert_ne!(ours, theirs);
+            }
+            None => {
+                let (ours, theirs) = desync(g.barrier(), "barrier after it")
+                    .unwrap_or_else(|| panic!("rank {r}: the desync went unnoticed"));
+                assert!(ours.contains("earlier collective"), "{ours} / {theirs}");
+            }
+        }
+    }
+}

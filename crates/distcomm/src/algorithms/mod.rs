@@ -13,7 +13,7 @@
 //! | all_reduce | recursive doubling (⌈log₂ n⌉ rounds, non-powers of two folded in) | ring reduce-scatter + ring all-gather (bandwidth-optimal) |
 //! | broadcast | binomial tree | scatter + ring all-gather (van de Geijn) |
 //! | reduce | binomial tree | binomial tree |
-//! | all_gather, reduce_scatter | ring | ring |
+//! | all_gather, reduce_scatter | recursive doubling / halving (log₂ n rounds; ring for other worlds) | the same |
 //! | gather, scatter, all_to_all | direct | direct |
 
 use std::ops::Range;
@@ -106,11 +106,72 @@ pub fn ring_all_gather(n: usize, r: usize, count: usize) -> Schedule {
         .collect()
 }
 
+/// The elements of chunks `first..first + len` of `c` (contiguous).
+fn span(c: &[Range<usize>], first: usize, len: usize) -> Range<usize> {
+    c[first].start..c[first + len - 1].end
+}
+
+/// Reduce-scatter by recursive halving (the layout of [`ring_reduce_scatter`]): in round `k`
+/// rank `r` exchanges half of what it still holds with `r ^ (n >> (k + 1))`, keeping the half
+/// its own chunk lies in. log₂ n rounds and, like the ring, (n − 1)/n of the buffer sent, so
+/// it replaces the ring's n − 1 rounds for any size. Needs a commutative operation (all of
+/// [`crate::ReduceOp`] are). Worlds that are not powers of two get the ring.
+pub fn halving_reduce_scatter(n: usize, r: usize, count: usize) -> Schedule {
+    if !n.is_power_of_two() {
+        return ring_reduce_scatter(n, r, count);
+    }
+    let c = chunks(count, n);
+    let mut rounds = Vec::new();
+    let mut mask = n / 2;
+    while mask > 0 {
+        let partner = r ^ mask;
+        // The window of chunks r still holds is aligned to 2·mask; keep r's half of it.
+        let (mine, theirs) = (r & !(mask - 1), partner & !(mask - 1));
+        rounds.push(vec![
+            send(partner, span(&c, theirs, mask)),
+            recv(partner, span(&c, mine, mask), true),
+        ]);
+        mask /= 2;
+    }
+    rounds
+}
+
+/// All-gather by recursive doubling (the layout of [`ring_all_gather`]): in round `k` rank `r`
+/// swaps the 2ᵏ chunks it holds with `r ^ 2ᵏ`. log₂ n rounds, (n − 1)/n of the buffer received
+/// as with the ring. Worlds that are not powers of two get the ring.
+pub fn doubling_all_gather(n: usize, r: usize, count: usize) -> Schedule {
+    if !n.is_power_of_two() {
+        return ring_all_gather(n, r, count);
+    }
+    let c = chunks(count, n);
+    let mut rounds = Vec::new();
+    let mut mask = 1;
+    while mask < n {
+        let partner = r ^ mask;
+        let (mine, theirs) = (r & !(mask - 1), partner & !(mask - 1));
+        rounds.push(vec![
+            send(partner, span(&c, mine, mask)),
+            recv(partner, span(&c, theirs, mask), false),
+        ]);
+        mask *= 2;
+    }
+    rounds
+}
+
 /// Bandwidth-optimal all-reduce: ring reduce-scatter then ring all-gather (2(n−1) rounds, each
 /// rank sends 2(n−1)/n of the buffer).
 pub fn ring_all_reduce(n: usize, r: usize, count: usize) -> Schedule {
     let mut s = ring_reduce_scatter(n, r, count);
     s.extend(ring_all_gather(n, r, count));
+    s
+}
+
+/// Rabenseifner's all-reduce: [`halving_reduce_scatter`] then [`doubling_all_gather`]
+/// (2 log₂ n rounds, each rank sends 2(n − 1)/n of the buffer, as the ring does in 2(n − 1)
+/// rounds). Worlds that are not powers of two get the ring.
+pub fn halving_doubling_all_reduce(n: usize, r: usize, count: usize) -> Schedule {
+    let mut s = halving_reduce_scatter(n, r, count);
+    s.extend(doubling_all_gather(n, r, count));
     s
 }
 
@@ -451,10 +512,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn all_reduce_schedules(n in 1usize..12, count in 0usize..40, ring: bool) {
+        fn all_reduce_schedules(n in 1usize..12, count in 0usize..40, algo in 0usize..3) {
             let ins = inputs(n, count);
             let mut outs = ins.clone();
-            let s: Vec<_> = (0..n).map(|r| if ring { ring_all_reduce(n, r, count) } else { recursive_doubling_all_reduce(n, r, count) }).collect();
+            let s: Vec<_> = (0..n).map(|r| match algo { 0 => ring_all_reduce(n, r, count), 1 => recursive_doubling_all_reduce(n, r, count), _ => halving_doubling_all_reduce(n, r, count) }).collect();
             simulate(&s, &mut outs, &ins, add).unwrap();
             let want = sum_of(&ins);
             for o in &outs { prop_assert_eq!(o, &want); }
@@ -494,19 +555,25 @@ mod tests {
             let ins = inputs(n, block);
             // all_gather: own block placed first.
             let mut outs: Vec<Vec<i64>> = (0..n).map(|r| { let mut o = vec![0; n * block]; o[r * block..(r + 1) * block].copy_from_slice(&ins[r]); o }).collect();
-            let s: Vec<_> = (0..n).map(|r| ring_all_gather(n, r, n * block)).collect();
-            simulate(&s, &mut outs, &ins, add).unwrap();
             let all: Vec<i64> = ins.concat();
-            for o in &outs { prop_assert_eq!(o, &all); }
+            let placed = outs.clone();
+            for gen in [ring_all_gather, doubling_all_gather] {
+                let mut outs = placed.clone();
+                let s: Vec<_> = (0..n).map(|r| gen(n, r, n * block)).collect();
+                simulate(&s, &mut outs, &ins, add).unwrap();
+                for o in &outs { prop_assert_eq!(o, &all); }
+            }
             // reduce_scatter: full inputs, block r reduced.
             let full = inputs(n, n * block);
-            let mut outs = full.clone();
-            let s: Vec<_> = (0..n).map(|r| ring_reduce_scatter(n, r, n * block)).collect();
-            simulate(&s, &mut outs, &full, add).unwrap();
             let want = sum_of(&full);
-            for (r, o) in outs.iter().enumerate() {
-                let c = &chunks(n * block, n)[r];
-                prop_assert_eq!(&o[c.clone()], &want[c.clone()]);
+            for gen in [ring_reduce_scatter, halving_reduce_scatter] {
+                let mut outs = full.clone();
+                let s: Vec<_> = (0..n).map(|r| gen(n, r, n * block)).collect();
+                simulate(&s, &mut outs, &full, add).unwrap();
+                for (r, o) in outs.iter().enumerate() {
+                    let c = &chunks(n * block, n)[r];
+                    prop_assert_eq!(&o[c.clone()], &want[c.clone()]);
+                }
             }
             // gather / scatter.
             let mut outs = vec![vec![0i64; n * block]; n];
@@ -530,10 +597,13 @@ mod tests {
                 let all = [
                     ring_all_reduce(n, r, 100),
                     recursive_doubling_all_reduce(n, r, 100),
+                    halving_doubling_all_reduce(n, r, 100),
                     binomial_broadcast(n, r, n / 2, 100),
                     scatter_all_gather_broadcast(n, r, n / 2, 100),
                     binomial_reduce(n, r, 0, 100),
                     ring_all_gather(n, r, 10 * n),
+                    doubling_all_gather(n, r, 10 * n),
+                    halving_reduce_scatter(n, r, 10 * n),
                     direct_gather(n, r, 0, 10),
                     direct_scatter(n, r, 0, 10),
                 ];
@@ -561,5 +631,8 @@ mod tests {
         assert_eq!(recursive_doubling_all_reduce(8, 3, 1).len(), 3);
         assert_eq!(recursive_doubling_all_reduce(5, 3, 1).len(), 4);
         assert_eq!(recursive_doubling_all_reduce(1, 0, 1).len(), 0);
+        assert_eq!(doubling_all_gather(8, 5, 80).len(), 3);
+        assert_eq!(halving_reduce_scatter(16, 5, 160).len(), 4);
+        assert_eq!(halving_reduce_scatter(6, 5, 60).len(), 5);
     }
 }

@@ -34,7 +34,8 @@ use crate::work::{wait_all, Pending, Work};
 // how they were measured. Overridable by environment variables (`crate::config`).
 
 /// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on
-/// two ranks, where the ring's extra round costs more than its halved messages save). Measured
+/// two ranks, where the ring's extra round costs more than its halved messages save, and on
+/// other powers of two, where [`HALVING_DOUBLING_MIN`] takes over before it). Measured
 /// with `DISTCOMM_ALL_REDUCE_RING_MIN=1` vs `=1000000000 distcomm bench all_reduce` on this 2-core
 /// VM: world 2 crosses between 256 KiB and 1 MiB, world 4 between 64 KiB and 256 KiB.
 pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
@@ -45,11 +46,27 @@ pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
 /// at 4); world 3 1.08-1.10 -> 1.25-1.26; world 2 1.66-1.72 -> 1.95-1.99. Over shared memory
 /// it makes no difference either way.
 pub const RING_CHUNK_MAX: usize = 1 << 20;
+/// On worlds that are powers of two above 2, all_reduce from this many bytes up to the ring's
+/// threshold runs Rabenseifner's halving + doubling (2 log₂ n rounds of shrinking halves)
+/// instead of recursive doubling's log₂ n rounds of the whole buffer. Measured over TCP,
+/// world 4, `distcomm bench all_reduce` in alternating runs (µs): 16 KiB 62–74 doubling vs
+/// 100–114; 32 KiB 119 vs 145–180 (ring); 64 KiB 148–183 vs 170–186 (doubling), 192–200 (ring);
+/// 256 KiB 433–612 vs 685–886 (ring); 1 MiB 2040–3040 vs 2120–2400 (ring).
+pub const HALVING_DOUBLING_MIN: usize = 32 << 10;
 /// broadcast switches from the binomial tree to scatter + all-gather at this many bytes, on
 /// five ranks or more. Measured like the all_reduce threshold: on 3 ranks the tree won at every
 /// size up to 16 MiB; on 5 it lost from 4 MiB on (0.58 vs 0.56 GB/s at 4 MiB, 0.54 vs 0.48 at
 /// 16 MiB).
 pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
+/// all_gather and reduce_scatter take log₂ n rounds (recursive doubling / halving) instead of
+/// the ring's n − 1 up to these many bytes of the whole buffer, on worlds that are powers of
+/// two. Above, the ring's smaller rounds overlap better (a halving round reduces only once all
+/// of its half has arrived). Measured over TCP, world 4, `scripts/ab.py` ring against doubling
+/// (3 alternating pairs, new / old time): all_gather 16 B 0.56, 64 KiB 0.76, 1 MiB 0.96, 16 MiB
+/// 1.33; reduce_scatter 16 B 0.68, 64 KiB 0.78, 1 MiB 1.45.
+pub const DOUBLING_ALL_GATHER_MAX: usize = 1 << 20;
+/// See [`DOUBLING_ALL_GATHER_MAX`].
+pub const HALVING_REDUCE_SCATTER_MAX: usize = 256 << 10;
 
 /// Runs collective `coll` of `c.dtype` elements on `b`, cancelling it on every member when it
 /// fails.
@@ -392,7 +409,7 @@ impl Run<'_> {
             }
         }
         drop(turn);
-        let ring_min = if n == 2 {
+        let ring_min = if n.is_power_of_two() {
             2 * ALL_REDUCE_RING_MIN
         } else {
             ALL_REDUCE_RING_MIN
@@ -403,6 +420,9 @@ impl Run<'_> {
                 let seg = chunk.max(1).saturating_mul(n);
                 let sched = alg::segmented(buf.len(), seg, |len| alg::ring_all_reduce(n, r, len));
                 (call.algo("ring"), sched)
+            } else if n > 2 && n.is_power_of_two() && bytes >= HALVING_DOUBLING_MIN {
+                let sched = alg::halving_doubling_all_reduce(n, r, buf.len());
+                (call.algo("recursive halving + doubling"), sched)
             } else {
                 (*call, alg::recursive_doubling_all_reduce(n, r, buf.len()))
             };
@@ -469,8 +489,12 @@ impl Run<'_> {
     /// This rank's block is already in place in `output`.
     fn all_gather_on<T: Reducible>(&self, call: &Call, tag: u32, output: &mut [T]) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let sched = alg::ring_all_gather(n, r, output.len());
-        self.execute(call, tag, &sched, output, &[])
+        let (call, sched) = if n.is_power_of_two() && size_of_val(output) <= DOUBLING_ALL_GATHER_MAX {
+            (call.algo("recursive doubling"), alg::doubling_all_gather(n, r, output.len()))
+        } else {
+            (*call, alg::ring_all_gather(n, r, output.len()))
+        };
+        self.execute(&call, tag, &sched, output, &[])
     }
 
     /// The root's own block is already in place in `output`.
@@ -512,7 +536,13 @@ impl Run<'_> {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, output.len());
-        let sched = alg::ring_reduce_scatter(n, r, n * k);
+        let (call, sched) = if n.is_power_of_two() && size_of_val(input) <= HALVING_REDUCE_SCATTER_MAX {
+            let sched = alg::halving_reduce_scatter(n, r, n * k);
+            (call.algo("recursive halving"), sched)
+        } else {
+            (*call, alg::ring_reduce_scatter(n, r, n * k))
+        };
+        let call = &call;
         let mine = r * k..(r + 1) * k;
         match self.widened(input) {
             Some(mut wide) => {

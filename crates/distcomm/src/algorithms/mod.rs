@@ -554,9 +554,8 @@ mod tests {
             let root = root_seed % n;
             let ins = inputs(n, block);
             // all_gather: own block placed first.
-            let mut outs: Vec<Vec<i64>> = (0..n).map(|r| { let mut o = vec![0; n * block]; o[r * block..(r + 1) * block].copy_from_slice(&ins[r]); o }).collect();
+            let placed: Vec<Vec<i64>> = (0..n).map(|r| { let mut o = vec![0; n * block]; o[r * block..(r + 1) * block].copy_from_slice(&ins[r]); o }).collect();
             let all: Vec<i64> = ins.concat();
-            let placed = outs.clone();
             for gen in [ring_all_gather, doubling_all_gather] {
                 let mut outs = placed.clone();
                 let s: Vec<_> = (0..n).map(|r| gen(n, r, n * block)).collect();

@@ -489,8 +489,12 @@ impl Run<'_> {
     /// This rank's block is already in place in `output`.
     fn all_gather_on<T: Reducible>(&self, call: &Call, tag: u32, output: &mut [T]) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let (call, sched) = if n.is_power_of_two() && size_of_val(output) <= DOUBLING_ALL_GATHER_MAX {
-            (call.algo("recursive doubling"), alg::doubling_all_gather(n, r, output.len()))
+        let (call, sched) = if n.is_power_of_two() && size_of_val(output) <= DOUBLING_ALL_GATHER_MAX
+        {
+            (
+                call.algo("recursive doubling"),
+                alg::doubling_all_gather(n, r, output.len()),
+            )
         } else {
             (*call, alg::ring_all_gather(n, r, output.len()))
         };
@@ -536,12 +540,13 @@ impl Run<'_> {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, output.len());
-        let (call, sched) = if n.is_power_of_two() && size_of_val(input) <= HALVING_REDUCE_SCATTER_MAX {
-            let sched = alg::halving_reduce_scatter(n, r, n * k);
-            (call.algo("recursive halving"), sched)
-        } else {
-            (*call, alg::ring_reduce_scatter(n, r, n * k))
-        };
+        let (call, sched) =
+            if n.is_power_of_two() && size_of_val(input) <= HALVING_REDUCE_SCATTER_MAX {
+                let sched = alg::halving_reduce_scatter(n, r, n * k);
+                (call.algo("recursive halving"), sched)
+            } else {
+                (*call, alg::ring_reduce_scatter(n, r, n * k))
+            };
         let call = &call;
         let mine = r * k..(r + 1) * k;
         match self.widened(input) {

@@ -551,6 +551,11 @@ fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -
             let mut buf: Vec<T> = (0..len).map(|i| input(r, i)).collect();
             g.all_reduce(&mut buf, op)
                 .unwrap_or_else(|e| panic!("{} {op:?} {len}: {e}", T::DTYPE));
+            // A reduce (in place at the root) combines the same way.
+            let root = n - 1;
+            let mut red: Vec<T> = (0..len).map(|i| input(r, i)).collect();
+            g.reduce(&mut red, root, op)
+                .unwrap_or_else(|e| panic!("reduce {} {op:?} {len}: {e}", T::DTYPE));
             let order_fixed =
                 g.intranode_all_reduce() || n <= 2 || matches!(op, ReduceOp::Min | ReduceOp::Max);
             if !order_fixed {
@@ -578,6 +583,14 @@ fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -
                     "{} {op:?} world {n} len {len} element {i}: {got} want {want}",
                     T::DTYPE
                 );
+                if r == root {
+                    let got = to(red[i]);
+                    assert!(
+                        got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
+                        "reduce {} {op:?} world {n} len {len} element {i}: {got} want {want}",
+                        T::DTYPE
+                    );
+                }
             }
         }
     }

@@ -250,14 +250,20 @@ impl Run<'_> {
                     return Ok(());
                 }
                 let whole = 0..buf.len();
-                self.reduced(arena, &s, me == root, whole, op, buf)
+                self.reduce_block(arena, &s, Io::InPlace(buf, me == root), whole, op)
             }
             Coll::ReduceScatter(input, out, op) => {
                 let out = crate::backend::typed_mut::<T>(s.op, out)?;
                 let input = typed::<T>(s.op, input)?;
                 let k = out.len();
                 // The reduction reads every rank's whole input, and writes this rank's block.
-                self.reduce_block(arena, &s, input, me * k..(me + 1) * k, op, Some(out))
+                self.reduce_block(
+                    arena,
+                    &s,
+                    Io::Apart(input, Some(out)),
+                    me * k..(me + 1) * k,
+                    op,
+                )
             }
             Coll::Barrier => {
                 arena.exchange(&s, Reads::All, &|_| 0, &mut |_| {}, &mut |_, _| Ok(()))
@@ -266,44 +272,28 @@ impl Run<'_> {
         }
     }
 
-    /// Reduce: every rank puts `buf`; the root (`reader`) reduces all of `block` into it.
-    fn reduced<T: Reducible>(
-        &self,
-        arena: &Arena,
-        s: &Exchange<'_>,
-        reader: bool,
-        block: std::ops::Range<usize>,
-        op: ReduceOp,
-        buf: &mut [T],
-    ) -> Result<()> {
-        // The input is put before the root's result overwrites it.
-        let mut input = self.pool.take::<T>();
-        input.extend_from_slice(buf);
-        let out = reader.then_some(&mut *buf);
-        let r = self.reduce_block(arena, s, &input, block, op, out);
-        self.pool.give(input);
-        r
-    }
-
-    /// Every rank puts `input`; where `out` is given, the elements `block` of every rank's
+    /// Every rank puts its input; where `io` has an output, the elements `block` of every rank's
     /// input are reduced into it (in rank order, 16-bit floats in `f32`, averages divided).
     fn reduce_block<T: Reducible>(
         &self,
         arena: &Arena,
         s: &Exchange<'_>,
-        input: &[T],
+        io: Io<'_, T>,
         block: std::ops::Range<usize>,
         op: ReduceOp,
-        out: Option<&mut [T]>,
     ) -> Result<()> {
         let n = self.size();
+        let mut io = io;
         if T::WIDENS {
-            let mut wide = self.pool.take_len::<f32>(input.len());
-            T::widen_into(input, &mut wide);
-            let mut acc = self.pool.take_len::<f32>(block.len());
-            let reading = out.is_some();
-            let r = self.exchange_reduce(arena, s, &wide, &block, op, reading, &mut acc);
-            if let (Ok(()), Some(out)) = (&r, out) {
+            let mut wide = self.pool.take_len::<f32>(io.input().len());
+            T::widen_into(io.input(), &mut wide);
+            let reading = io.reads();
+            let mut acc = self
+                .pool
+                .take_len::<f32>(if reading { block.len() } else { 0 });
+            let into = reading.then_some(&mut acc[..]);
+            let r = self.exchange_reduce(arena, s, Io::Apart(&wide, into), &block, op);
+            if let (Ok(()), Some(out)) = (&r, io.output()) {
                 if op == ReduceOp::Avg {
                     f32::finish_avg(&mut acc, n);
                 }
@@ -313,40 +303,35 @@ impl Run<'_> {
             self.pool.give(acc);
             return r;
         }
-        let reading = out.is_some();
-        let mut acc = self
-            .pool
-            .take_len::<T>(if reading { block.len() } else { 0 });
-        let r = self.exchange_reduce(arena, s, input, &block, op, reading, &mut acc);
-        if let (Ok(()), Some(out)) = (&r, out) {
-            if op == ReduceOp::Avg {
-                T::finish_avg(&mut acc, n);
-            }
-            copy(out, &acc);
+        self.exchange_reduce(arena, s, io.reborrow(), &block, op)?;
+        if let (ReduceOp::Avg, Some(out)) = (op, io.output()) {
+            T::finish_avg(out, n);
         }
-        self.pool.give(acc);
-        r
+        Ok(())
     }
 
-    /// The exchange of a reduction: puts `input`, and when `reading`, reduces `block` of every
-    /// rank's part into `acc` in rank order.
-    #[allow(clippy::too_many_arguments)]
+    /// The exchange of a reduction: puts the input, and where `io` has an output, reduces
+    /// `block` of every rank's part into it in rank order, straight from the arena (which holds
+    /// every part once it is put, so the output may be the input itself).
     fn exchange_reduce<A: Reducible>(
         &self,
         arena: &Arena,
         s: &Exchange<'_>,
-        input: &[A],
+        io: Io<'_, A>,
         block: &std::ops::Range<usize>,
         op: ReduceOp,
-        reading: bool,
-        acc: &mut [A],
     ) -> Result<()> {
-        let bytes: &[u8] = bytemuck::cast_slice(input);
-        count_sent(bytes.len());
+        let reading = io.reads();
+        let bytes = size_of_val(io.input());
+        count_sent(bytes);
+        // `exchange` calls `put` once, before any `get`: the two borrows never overlap.
+        let io = std::cell::RefCell::new(io);
+        let mut put = |p: &mut [u8]| copy_bytes(p, bytemuck::cast_slice(io.borrow().input()));
         let mut get = |r: usize, part: &[u8]| {
-            if !reading {
+            let mut io = io.borrow_mut();
+            let Some(acc) = io.output() else {
                 return Ok(());
-            }
+            };
             let theirs = &typed::<A>(s.op, part)?[block.clone()];
             if r == 0 {
                 copy(acc, theirs);
@@ -356,12 +341,43 @@ impl Run<'_> {
             Ok(())
         };
         let reads = if reading { Reads::All } else { Reads::Nobody };
-        arena.exchange(
-            s,
-            reads,
-            &|_| bytes.len(),
-            &mut |p| copy_bytes(p, bytes),
-            &mut get,
-        )
+        arena.exchange(s, reads, &|_| bytes, &mut put, &mut get)
+    }
+}
+
+/// Where a reduction through the arena takes its input from and puts its result.
+enum Io<'a, T> {
+    /// Puts the input; reduces into the output, when there is one (a rank that reads).
+    Apart(&'a [T], Option<&'a mut [T]>),
+    /// Puts the buffer and, when reading (`true`), reduces into the same buffer.
+    InPlace(&'a mut [T], bool),
+}
+
+impl<T> Io<'_, T> {
+    fn reads(&self) -> bool {
+        matches!(self, Io::Apart(_, Some(_)) | Io::InPlace(_, true))
+    }
+
+    fn input(&self) -> &[T] {
+        match self {
+            Io::Apart(input, _) => input,
+            Io::InPlace(buf, _) => buf,
+        }
+    }
+
+    fn reborrow(&mut self) -> Io<'_, T> {
+        match self {
+            Io::Apart(input, out) => Io::Apart(input, out.as_deref_mut()),
+            Io::InPlace(buf, reading) => Io::InPlace(buf, *reading),
+        }
+    }
+
+    /// The output of a rank that reads (in place: the input's buffer, read before).
+    fn output(&mut self) -> Option<&mut [T]> {
+        match self {
+            Io::Apart(_, out) => out.as_deref_mut(),
+            Io::InPlace(buf, true) => Some(buf),
+            Io::InPlace(_, false) => None,
+        }
     }
 }

@@ -30,8 +30,12 @@ impl Engine {
                         .map_err(|e| Error::io("set TCP_NODELAY", e))?;
                     let shm_peer = shm.is_some();
                     let local = same_host(&stream) || shm_peer;
-                    let sockbuf = cfg.sockbuf.unwrap_or(if local { LOCAL_SOCKBUF } else { 0 });
-                    if sockbuf > 0 && shm.is_none() {
+                    let sockbuf = match cfg.sockbuf {
+                        Some(both) => (both, both),
+                        None if local => LOCAL_SOCKBUF,
+                        None => (0, 0),
+                    };
+                    if sockbuf != (0, 0) && shm.is_none() {
                         set_buffers(&stream, sockbuf)?;
                     }
                     Some(Peer {

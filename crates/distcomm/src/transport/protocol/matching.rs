@@ -31,17 +31,23 @@ pub(crate) fn takes(want: Option<usize>, key: Key, src: usize, mkey: Key) -> boo
     key == mkey && want.is_none_or(|s| s == src)
 }
 
-/// The posted and unexpected queues of one engine.
+/// The posted and unexpected queues of one engine. Unexpected messages queue per source, each
+/// numbered in arrival order: a receive that names its source (the common case) looks only at
+/// that source's messages, however many others wait (a gather's root that fell behind has
+/// thousands queued from every peer: one queue made each of its receives scan and shift past
+/// the other peers' messages, half of the root's time over TCP at world 4).
 pub(crate) struct Matcher<R, M> {
     posted: VecDeque<R>,
-    unexpected: VecDeque<M>,
+    unexpected: Vec<VecDeque<(u64, M)>>,
+    arrivals: u64,
 }
 
 impl<R, M> Default for Matcher<R, M> {
     fn default() -> Self {
         Matcher {
             posted: VecDeque::new(),
-            unexpected: VecDeque::new(),
+            unexpected: Vec::new(),
+            arrivals: 0,
         }
     }
 }
@@ -61,18 +67,37 @@ impl<R: Receive, M: Message> Matcher<R, M> {
     /// Queues a message nobody was waiting for.
     #[inline]
     pub(crate) fn push_unexpected(&mut self, m: M) {
-        self.unexpected.push_back(m);
+        let src = m.source();
+        if self.unexpected.len() <= src {
+            self.unexpected.resize_with(src + 1, VecDeque::new);
+        }
+        self.unexpected[src].push_back((self.arrivals, m));
+        self.arrivals += 1;
     }
 
     /// A receive (`src`, `key`) is being posted: the first unexpected message it takes, taken
     /// out of the queue; `None` if none (the caller queues the receive with [`Self::push_posted`]).
     #[inline]
     pub(crate) fn take_unexpected(&mut self, src: Option<usize>, key: Key) -> Option<M> {
-        let i = self
-            .unexpected
-            .iter()
-            .position(|m| takes(src, key, m.source(), m.key()))?;
-        self.unexpected.remove(i)
+        let first = |q: &VecDeque<(u64, M)>| q.iter().position(|(_, m)| m.key() == key);
+        let (q, i) = match src {
+            Some(src) => {
+                let q = self.unexpected.get_mut(src)?;
+                let i = first(q)?;
+                (q, i)
+            }
+            // Any source: the earliest arrival among each source's first match.
+            None => {
+                let (s, i) = self
+                    .unexpected
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(s, q)| first(q).map(|i| (s, i)))
+                    .min_by_key(|&(s, i)| self.unexpected[s][i].0)?;
+                (&mut self.unexpected[s], i)
+            }
+        };
+        q.remove(i).map(|(_, m)| m)
     }
 
     /// Queues a receive behind every one posted before it.
@@ -92,8 +117,8 @@ impl<R: Receive, M: Message> Matcher<R, M> {
     /// Whether a message from `src` with `key` waits unexpected.
     pub(crate) fn unexpected_from(&self, src: usize, key: Key) -> bool {
         self.unexpected
-            .iter()
-            .any(|m| m.source() == src && m.key() == key)
+            .get(src)
+            .is_some_and(|q| q.iter().any(|(_, m)| m.key() == key))
     }
 
     /// Takes out every posted receive for which `pred` holds, in posting order.
@@ -105,10 +130,14 @@ impl<R: Receive, M: Message> Matcher<R, M> {
 
     /// Takes out every unexpected message for which `pred` holds, in arrival order.
     pub(crate) fn withdraw_unexpected(&mut self, mut pred: impl FnMut(&M) -> bool) -> VecDeque<M> {
-        let (hit, kept): (VecDeque<M>, VecDeque<M>) =
-            self.unexpected.drain(..).partition(|m| pred(m));
-        self.unexpected = kept;
-        hit
+        let mut hit = Vec::new();
+        for q in &mut self.unexpected {
+            let (taken, kept): (VecDeque<_>, VecDeque<_>) = q.drain(..).partition(|(_, m)| pred(m));
+            *q = kept;
+            hit.extend(taken);
+        }
+        hit.sort_by_key(|&(arrival, _)| arrival);
+        hit.into_iter().map(|(_, m)| m).collect()
     }
 
     /// Takes out every posted receive.
@@ -125,7 +154,9 @@ impl<R: Receive, M: Message> Matcher<R, M> {
     /// The unexpected messages, in arrival order.
     #[cfg(test)]
     pub(crate) fn unexpected(&self) -> impl Iterator<Item = &M> {
-        self.unexpected.iter()
+        let mut all: Vec<&(u64, M)> = self.unexpected.iter().flatten().collect();
+        all.sort_by_key(|(arrival, _)| *arrival);
+        all.into_iter().map(|(_, m)| m)
     }
 }
 

@@ -42,6 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::broken::Broken;
+use super::callwords::{chain, describe, fp_words};
 use crate::call::Fingerprint;
 use crate::copy::copy;
 use crate::dtype::DType;
@@ -106,19 +107,10 @@ pub(crate) struct Arena {
     step: AtomicU64,
     /// The [`chain`] of every call this rank published so far.
     chain: AtomicU64,
-}
-
-/// The chain of a rank's calls: `prev` combined with the words of the next call. Ranks that
-/// made the same calls have the same chain, so a rank that reads another's part checks, with
-/// one word, every call the other made before as well (a rank that reads nobody in a step does
-/// not wait to check; the first rank to read its part after a call that differed finds it).
-fn chain(prev: u64, w0: u64, w1: u64) -> u64 {
-    // splitmix64's finaliser over the three words: a collision of two different call
-    // histories is a 2^-64 chance.
-    let mut x = prev ^ w0.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ w1.rotate_left(31);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+    /// Per rank, 1 + the latest step this rank has seen it arrive at (0: none yet), so that
+    /// `begin` need not read another rank's line at every step (a cache line from the other
+    /// core each time: what a root running ahead of its readers paid per call).
+    seen: Vec<AtomicU64>,
 }
 
 /// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
@@ -166,32 +158,6 @@ impl Wait<'_> {
     }
 }
 
-/// Bits of the second word that hold the count; the root is above them.
-const COUNT_BITS: u32 = 40;
-
-/// The words a call publishes: (kind, op, dtype, tag) and (root, count).
-fn fp_words(fp: &Fingerprint, dtype: DType, tag: u32) -> (u64, u64) {
-    // Bit 24 marks the words as written (a fresh arena is all zeros).
-    let w0 = u64::from(fp.kind)
-        | u64::from(fp.op) << 8
-        | (dtype as u64) << 16
-        | 1 << 24
-        | u64::from(tag) << 32;
-    let count = fp.count & ((1 << COUNT_BITS) - 1);
-    (w0, count | u64::from(fp.root) << COUNT_BITS)
-}
-
-fn describe(w0: u64, w1: u64) -> String {
-    let fp = Fingerprint {
-        kind: w0 as u8,
-        op: (w0 >> 8) as u8,
-        root: (w1 >> COUNT_BITS) as u32,
-        count: w1 & ((1 << COUNT_BITS) - 1),
-    };
-    let dtype = DType::from_wire((w0 >> 16) as u8).unwrap_or(DType::Bytes);
-    format!("{} (collective #{})", fp.describe(dtype), w0 >> 32)
-}
-
 impl Arena {
     /// Wraps a mapped region of [`arena_len`]`(n, chunk)` bytes (initialised by its creator).
     fn new(
@@ -201,6 +167,7 @@ impl Arena {
         chunk: usize,
         cfg: &ArenaConfig,
     ) -> Arena {
+        let seen = (0..members.len()).map(|_| AtomicU64::new(0)).collect();
         Arena {
             max_bytes: cfg.max_bytes,
             region,
@@ -211,6 +178,7 @@ impl Arena {
             oversubscribed: cfg.oversubscribed,
             step: AtomicU64::new(0),
             chain: AtomicU64::new(0),
+            seen,
         }
     }
 
@@ -355,10 +323,24 @@ impl Arena {
     /// them). A step that waited for every rank leaves both true for the next.
     fn begin(&self, step: u64, slots: bool, w: &Wait<'_>) -> Result<()> {
         let back = if slots { 1 } else { LINES - 1 };
-        match step.checked_sub(back) {
-            Some(before) => self.wait_for(Reads::All, before, 2 * before + 1, w),
-            None => Ok(()),
+        let Some(before) = step.checked_sub(back) else {
+            return Ok(());
+        };
+        let newest = step - 1;
+        for (r, seen) in self.seen.iter().enumerate() {
+            if r == self.me || seen.load(Ordering::Relaxed) > before {
+                continue;
+            }
+            // Arrivals come in order: a rank that arrived at `step - 1` arrived at `before`
+            // too, and the next steps up to it need not look again.
+            if self.seq(r, newest).load(Ordering::Acquire) > 2 * newest {
+                seen.store(newest + 1, Ordering::Relaxed);
+                continue;
+            }
+            self.wait_for(Reads::Rank(r), before, 2 * before + 1, w)?;
+            seen.store(before + 1, Ordering::Relaxed);
         }
+        Ok(())
     }
 
     /// Tells the other ranks which collective this rank is in (every collective of the group

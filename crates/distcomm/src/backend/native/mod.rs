@@ -16,6 +16,8 @@ pub(crate) mod arena;
 pub(crate) mod arena;
 #[cfg(target_os = "linux")]
 mod broken;
+#[cfg(target_os = "linux")]
+mod callwords;
 mod collectives;
 mod intranode;
 mod setup;

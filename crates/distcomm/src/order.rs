@@ -12,66 +12,74 @@
 //! Owns: the counter and the waiting. Must not know: what a collective does.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-/// A group's issue order.
+/// A group's issue order. The common case (turns passed in order, nobody waiting) takes no
+/// lock: issuing, waiting for a turn already served and passing it are one atomic operation
+/// each; turns passed early and sleeping waiters take the lock.
 #[derive(Default)]
 pub(crate) struct Order {
-    state: Mutex<State>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct State {
     /// Sequence number of the next turn to issue.
-    issued: u32,
-    /// Every turn below this one has passed.
-    serving: u32,
+    issued: AtomicU32,
+    /// Every turn below this one has passed. Advanced by the owner of the turn it names, or
+    /// under the lock for a turn in `early`.
+    serving: AtomicU32,
+    /// Turns in `early` plus threads waiting: when 0, a pass needs neither lock nor wake-up.
+    /// (Sequentially consistent with `serving`: a waiter counts itself before it looks at
+    /// `serving`, a passer advances `serving` before it looks here, so one of them sees the
+    /// other.)
+    others: AtomicUsize,
     /// Turns passed before their predecessors.
-    early: BTreeSet<u32>,
-    waiters: usize,
+    early: Mutex<BTreeSet<u32>>,
+    cv: Condvar,
 }
 
 impl Order {
     /// The next turn, in program order; its number is the collective's sequence number.
     pub(crate) fn issue(self: &Arc<Self>) -> Turn {
-        let mut s = self.lock();
-        let no = s.issued;
-        s.issued = s.issued.wrapping_add(1);
+        let no = self.issued.fetch_add(1, Ordering::Relaxed);
         Turn {
             order: Some(self.clone()),
             no,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
+        self.early.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn pass(&self, no: u32) {
-        let mut s = self.lock();
-        if s.serving != no {
-            s.early.insert(no);
+        let next = no.wrapping_add(1);
+        let served = self
+            .serving
+            .compare_exchange(no, next, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok();
+        if served && self.others.load(Ordering::SeqCst) == 0 {
             return;
         }
-        s.serving = no.wrapping_add(1);
+        let mut early = self.lock();
+        if !served {
+            early.insert(no);
+            self.others.fetch_add(1, Ordering::SeqCst);
+        }
+        // Serve the turns passed early that are due now (the lock makes this the only place
+        // that advances a number in `early`: its owner passed it already).
         loop {
-            let next = s.serving;
-            if !s.early.remove(&next) {
+            let due = self.serving.load(Ordering::SeqCst);
+            if !early.remove(&due) {
                 break;
             }
-            s.serving = next.wrapping_add(1);
+            self.others.fetch_sub(1, Ordering::SeqCst);
+            self.serving.store(due.wrapping_add(1), Ordering::SeqCst);
         }
-        if s.waiters > 0 {
-            self.cv.notify_all();
-        }
+        self.cv.notify_all();
     }
 }
 
-/// One collective's place in its group's [`Order`]. Dropping it passes it on.
 #[must_use = "a turn passes when it is dropped"]
 pub(crate) struct Turn {
     order: Option<Arc<Order>>,
@@ -90,30 +98,33 @@ impl Turn {
         let Some(order) = &self.order else {
             return Ok(());
         };
-        let mut s = order.lock();
-        if s.serving == self.no {
+        if order.serving.load(Ordering::SeqCst) == self.no {
             return Ok(());
         }
         let since = Instant::now();
-        while s.serving != self.no {
+        let mut early = order.lock();
+        order.others.fetch_add(1, Ordering::SeqCst);
+        let mut result = Ok(());
+        while order.serving.load(Ordering::SeqCst) != self.no {
             let left = timeout.saturating_sub(since.elapsed());
             if left.is_zero() {
-                return Err(Error::Timeout {
+                result = Err(Error::Timeout {
                     op,
                     rank,
                     peer: None,
                     after: timeout,
                 });
+                break;
             }
-            s.waiters += 1;
-            s = order
+            early = order
                 .cv
-                .wait_timeout(s, left)
+                .wait_timeout(early, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-            s.waiters -= 1;
         }
-        Ok(())
+        order.others.fetch_sub(1, Ordering::SeqCst);
+        drop(early);
+        result
     }
 
     fn release(&mut self) {
@@ -147,5 +158,31 @@ mod tests {
         std::thread::sleep(Duration::from_millis(10));
         drop(a);
         assert!(waiter.join().unwrap().is_ok());
+    }
+
+    #[test]
+    fn turns_taken_by_racing_threads_are_served_in_issue_order() {
+        // Turns handed to threads that wait and pass them in whatever order the scheduler
+        // runs them: every one is served, each after all those issued before it.
+        for _ in 0..20 {
+            let order = Arc::new(Order::default());
+            let served = Arc::new(Mutex::new(Vec::new()));
+            let turns: Vec<Turn> = (0..16).map(|_| order.issue()).collect();
+            let threads: Vec<_> = turns
+                .into_iter()
+                .rev()
+                .map(|t| {
+                    let served = served.clone();
+                    std::thread::spawn(move || {
+                        t.wait("x", 0, Duration::from_secs(10)).unwrap();
+                        served.lock().unwrap().push(t.no());
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(*served.lock().unwrap(), (0..16).collect::<Vec<u32>>());
+        }
     }
 }

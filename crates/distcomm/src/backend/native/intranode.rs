@@ -278,12 +278,11 @@ impl Run<'_> {
         &self,
         arena: &Arena,
         s: &Exchange<'_>,
-        io: Io<'_, T>,
+        mut io: Io<'_, T>,
         block: std::ops::Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
         let n = self.size();
-        let mut io = io;
         if T::WIDENS {
             let mut wide = self.pool.take_len::<f32>(io.input().len());
             T::widen_into(io.input(), &mut wide);
@@ -324,7 +323,8 @@ impl Run<'_> {
         let reading = io.reads();
         let bytes = size_of_val(io.input());
         count_sent(bytes);
-        // `exchange` calls `put` once, before any `get`: the two borrows never overlap.
+        // `exchange` calls `put` once, before any `get` (never from inside one): the two
+        // borrows never overlap, so neither can fail.
         let io = std::cell::RefCell::new(io);
         let mut put = |p: &mut [u8]| copy_bytes(p, bytemuck::cast_slice(io.borrow().input()));
         let mut get = |r: usize, part: &[u8]| {

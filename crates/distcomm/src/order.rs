@@ -80,6 +80,7 @@ impl Order {
     }
 }
 
+/// One collective's place in its group's [`Order`]. Dropping it passes it on.
 #[must_use = "a turn passes when it is dropped"]
 pub(crate) struct Turn {
     order: Option<Arc<Order>>,

@@ -113,27 +113,15 @@ fn span(c: &[Range<usize>], first: usize, len: usize) -> Range<usize> {
 
 /// Reduce-scatter by recursive halving (the layout of [`ring_reduce_scatter`]): in round `k`
 /// rank `r` exchanges half of what it still holds with `r ^ (n >> (k + 1))`, keeping the half
-/// its own chunk lies in. log₂ n rounds and, like the ring, (n − 1)/n of the buffer sent, so
-/// it replaces the ring's n − 1 rounds for any size. Needs a commutative operation (all of
-/// [`crate::ReduceOp`] are). Worlds that are not powers of two get the ring.
+/// its own chunk lies in. log₂ n rounds and, like the ring, (n − 1)/n of the buffer sent.
+/// Needs a commutative operation (all of [`crate::ReduceOp`] are). Worlds that are not powers
+/// of two get the ring.
 pub fn halving_reduce_scatter(n: usize, r: usize, count: usize) -> Schedule {
     if !n.is_power_of_two() {
         return ring_reduce_scatter(n, r, count);
     }
-    let c = chunks(count, n);
-    let mut rounds = Vec::new();
-    let mut mask = n / 2;
-    while mask > 0 {
-        let partner = r ^ mask;
-        // The window of chunks r still holds is aligned to 2·mask; keep r's half of it.
-        let (mine, theirs) = (r & !(mask - 1), partner & !(mask - 1));
-        rounds.push(vec![
-            send(partner, span(&c, theirs, mask)),
-            recv(partner, span(&c, mine, mask), true),
-        ]);
-        mask /= 2;
-    }
-    rounds
+    let masks = std::iter::successors(Some(n / 2), |m| Some(m / 2)).take_while(|&m| m > 0);
+    butterfly(n, r, count, masks, true)
 }
 
 /// All-gather by recursive doubling (the layout of [`ring_all_gather`]): in round `k` rank `r`
@@ -143,19 +131,34 @@ pub fn doubling_all_gather(n: usize, r: usize, count: usize) -> Schedule {
     if !n.is_power_of_two() {
         return ring_all_gather(n, r, count);
     }
+    let masks = std::iter::successors(Some(1), |m| Some(m * 2)).take_while(|&m| m < n);
+    butterfly(n, r, count, masks, false)
+}
+
+/// One round per `mask` (a power of two below `n`, itself a power of two): `r` and `r ^ mask`
+/// exchange the `mask` chunks aligned to it that hold their own chunk. Reducing (halving), each
+/// sends the half the other keeps and reduces the half it keeps; gathering (doubling), each
+/// sends the half it holds and receives the other's.
+fn butterfly(
+    n: usize,
+    r: usize,
+    count: usize,
+    masks: impl Iterator<Item = usize>,
+    reduce: bool,
+) -> Schedule {
     let c = chunks(count, n);
-    let mut rounds = Vec::new();
-    let mut mask = 1;
-    while mask < n {
-        let partner = r ^ mask;
-        let (mine, theirs) = (r & !(mask - 1), partner & !(mask - 1));
-        rounds.push(vec![
-            send(partner, span(&c, mine, mask)),
-            recv(partner, span(&c, theirs, mask), false),
-        ]);
-        mask *= 2;
-    }
-    rounds
+    masks
+        .map(|mask| {
+            let partner = r ^ mask;
+            let mine = span(&c, r & !(mask - 1), mask);
+            let theirs = span(&c, partner & !(mask - 1), mask);
+            if reduce {
+                vec![send(partner, theirs), recv(partner, mine, true)]
+            } else {
+                vec![send(partner, mine), recv(partner, theirs, false)]
+            }
+        })
+        .collect()
 }
 
 /// Bandwidth-optimal all-reduce: ring reduce-scatter then ring all-gather (2(n−1) rounds, each

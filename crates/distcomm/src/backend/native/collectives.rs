@@ -547,11 +547,10 @@ impl Run<'_> {
             } else {
                 (*call, alg::ring_reduce_scatter(n, r, n * k))
             };
-        let call = &call;
         let mine = r * k..(r + 1) * k;
         match self.widened(input) {
             Some(mut wide) => {
-                let done = self.execute::<f32>(call, tag, &sched, &mut wide, &[]);
+                let done = self.execute::<f32>(&call, tag, &sched, &mut wide, &[]);
                 if done.is_ok() {
                     if op == ReduceOp::Avg {
                         f32::finish_avg(&mut wide[mine.clone()], n);
@@ -565,7 +564,7 @@ impl Run<'_> {
                 // A pooled working copy: a fresh one of a large input is page faults every call.
                 let mut work = self.pool.take();
                 work.extend_from_slice(input);
-                let done = self.execute(call, tag, &sched, &mut work, &[]);
+                let done = self.execute(&call, tag, &sched, &mut work, &[]);
                 if done.is_ok() {
                     copy(output, &work[mine]);
                 }

@@ -44,6 +44,27 @@ impl State {
             let e = self.cancelled_error(&note, r.op, r.fp, r.dtype);
             r.cell.complete(Err(e), None);
         }
+        // Receives under way fail now too (else they would wait for their sender, and a sender
+        // that leaves after hearing of the cancellation would be blamed for it); their data
+        // still arrives into their buffer, so the stream stays whole.
+        let mut under_way: Vec<&Posted> = self
+            .rdv
+            .receives()
+            .chain(self.lent.values().map(|l| &l.r))
+            .collect();
+        for peer in self.peers.iter().flatten() {
+            if let Rx::Payload {
+                target: Target::Recv(r),
+                ..
+            } = &peer.rx
+            {
+                under_way.push(r);
+            }
+        }
+        for r in under_way.into_iter().filter(|r| (r.ctx, r.tag) == key) {
+            r.cell
+                .complete(Err(self.cancelled_error(&note, r.op, r.fp, r.dtype)), None);
+        }
         // Our sends of it fail now; their entries stay until the peer's reply (which may still
         // come) so that the reply is not mistaken for a protocol violation.
         for s in self.sends.values().filter(|s| (s.ctx, s.tag) == key) {

@@ -6,8 +6,15 @@
 
 use super::*;
 
+/// How many read budgets of a lost peer's last words are read at most.
+const LAST_WORDS_ROUNDS: usize = 4;
+
 impl State {
     /// Fails everything that depends on peer `p`.
+    /// Its last words come first: what `p` wrote before its connection ended (typically the
+    /// cancellation of a collective, naming the rank whose loss was the real cause) is read and
+    /// acted on before its loss is declared, so that a survivor which left after hearing of a
+    /// death is not blamed for it by ranks whose write to it failed first.
     pub(super) fn mark_dead(&mut self, p: usize, reason: String) {
         let rank = self.rank;
         let Some(Some(peer)) = self.peers.get_mut(p) else {
@@ -16,8 +23,13 @@ impl State {
         if peer.dead.is_some() {
             return;
         }
-        let _ = peer.link.stream.shutdown(Shutdown::Both);
+        // Marked first: a failure while reading the last words ends here.
         peer.dead = Some(reason.clone());
+        self.read_last_words(p);
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return;
+        };
+        let _ = peer.link.stream.shutdown(Shutdown::Both);
         peer.out.clear();
         if let Rx::Payload {
             target: Target::Recv(r),
@@ -58,6 +70,17 @@ impl State {
         // Announced large messages can no longer be fetched; eager ones arrived whole.
         self.matcher
             .withdraw_unexpected(|u| u.src == p && u.hdr.kind != Kind::Eager);
+    }
+
+    /// Reads and handles what `p` left in its socket and lane, up to a bound (a peer declared
+    /// dead for another reason may still be writing).
+    fn read_last_words(&mut self, p: usize) {
+        for _ in 0..LAST_WORDS_ROUNDS {
+            let lane = self.pump_lane(p).unwrap_or(false);
+            if !(self.pump_rx(p).unwrap_or(false) || lane) {
+                break;
+            }
+        }
     }
 
     pub(super) fn reclaim(&mut self, ids: &[u64]) {

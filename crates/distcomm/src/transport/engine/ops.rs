@@ -129,6 +129,13 @@ impl Engine {
             cell.complete(Err(e), None);
             return (id, cell);
         }
+        // A key already cancelled (a later step of a failed collective, say) sends nothing: the
+        // receiver would refuse it, or have left meanwhile and be blamed for the failure.
+        if let Some(c) = st.cancelled.get((env.ctx, env.tag)) {
+            let e = st.cancelled_error(c, op, env.fp, env.dtype);
+            cell.complete(Err(e), None);
+            return (id, cell);
+        }
         if dst == self.sh.rank {
             let data = buf.bytes().to_vec();
             pending.buf = Some(buf);

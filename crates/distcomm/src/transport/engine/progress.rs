@@ -71,7 +71,7 @@ impl State {
             let readable = r & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
             let writable = r & (libc::POLLOUT | libc::POLLERR) != 0;
             if self.is_shm(p) {
-                any |= readable && self.ring_answered(p, flush_replies);
+                any |= readable && self.ring_answered(p);
                 continue;
             }
             any |= self.pump(p, readable, writable, flush_replies);
@@ -84,18 +84,17 @@ impl State {
     }
 
     /// The doorbell socket of shared-memory peer `p` is readable: drain it. If it closed, the
-    /// peer is gone, but everything it wrote before closing is in the ring: take that first.
+    /// peer is gone (`mark_dead` takes what it wrote to the ring before closing first).
     /// Returns whether the peer was found dead.
-    pub(super) fn ring_answered(&mut self, p: usize, flush_replies: bool) -> bool {
+    pub(super) fn ring_answered(&mut self, p: usize) -> bool {
         #[cfg(target_os = "linux")]
         if let Some(Some(peer)) = self.peers.get(p) {
             if let Err(reason) = shm::drain_doorbell(&peer.link.stream) {
-                self.pump(p, true, false, flush_replies);
                 self.mark_dead(p, reason);
                 return true;
             }
         }
-        let _ = (p, flush_replies);
+        let _ = p;
         false
     }
 

@@ -102,6 +102,11 @@ impl<R> Reassembly<R> {
     }
 
     /// Every waiting receive.
+    pub(crate) fn receives(&self) -> impl Iterator<Item = &R> {
+        self.cleared.values().map(|c| &c.r)
+    }
+
+    /// Every waiting receive, to change.
     pub(crate) fn receives_mut(&mut self) -> impl Iterator<Item = &mut R> {
         self.cleared.values_mut().map(|c| &mut c.r)
     }

@@ -20,11 +20,14 @@ fn arena_collectives_match_and_detect_desync() {
     );
 }
 
-/// The same in slots of 4099 bytes: parts in many pieces of an odd size, reduces that do not
-/// fit one step.
+/// The same in slots of 4099 bytes and without cross-memory copies (so no direct steps): parts
+/// in many pieces of an odd size, reduces that do not fit one step.
 #[test]
 fn arena_collectives_in_small_slots() {
-    let env = [("DISTCOMM_SHM_ARENA_CHUNK", "4099")];
+    let env = [
+        ("DISTCOMM_SHM_ARENA_CHUNK", "4099"),
+        ("DISTCOMM_SHM_CMA", "0"),
+    ];
     run_native_env(
         "arena_collectives_in_small_slots",
         &[2, 3],
@@ -71,6 +74,12 @@ fn arena_collectives(g: &ProcessGroup) {
         if let Some(all) = gathered {
             assert!((0..n * len).all(|i| all[i] == pat(i / len, i % len)));
         }
+        let mut block = vec![0u8; len];
+        let whole: Vec<u8> = (0..n * len).map(|i| pat(i / len + 1, i % len)).collect();
+        let root = n / 2;
+        g.scatter((r == root).then_some(&whole[..]), &mut block, root)
+            .unwrap();
+        assert!((0..len).all(|i| block[i] == pat(r + 1, i)), "scatter");
         let k = 100_003;
         let a2a: Vec<u8> = (0..n * k).map(|i| pat(r + i / k, i % k)).collect();
         let mut got = vec![0u8; n * k];
@@ -119,4 +128,35 @@ fn arena_collectives(g: &ProcessGroup) {
             }
         }
     }
+}
+
+/// Parts large enough for the arena's direct steps (every rank copies straight from the others'
+/// buffers) and a root that differs between ranks: the roots wait for their readers, and every
+/// rank gets the desync (at that call or the next that reads every rank) instead of waiting for
+/// its deadline.
+#[test]
+fn arena_direct_steps_detect_desync() {
+    run_native(
+        "arena_direct_steps_detect_desync",
+        &[2, 3],
+        |g: &ProcessGroup| {
+            if g.transport() != "shm" {
+                return;
+            }
+            let r = g.rank();
+            let mut buf = vec![r as u8; 1 << 20];
+            let t = std::time::Instant::now();
+            // A rank whose root agrees with its own may finish the call: it finds the desync
+            // at the next call that reads every rank.
+            let got = match g.broadcast(&mut buf, r % 2) {
+                Ok(()) => g.barrier(),
+                e => e,
+            };
+            match got {
+                Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+                other => panic!("rank {r}: expected a desync, got {other:?}"),
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        },
+    );
 }

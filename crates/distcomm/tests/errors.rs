@@ -139,6 +139,40 @@ fn every_survivor_names_the_dead_rank(g: &ProcessGroup) {
     );
 }
 
+/// The same when the collective is an all_gather of the arena's direct steps (every rank copies
+/// straight from every other's buffer): the dead rank never publishes its part.
+fn survivors_of_a_direct_step_name_the_dead_rank(g: &ProcessGroup) {
+    let (n, r) = (g.size(), g.rank());
+    let mut x = vec![1f32; 1000];
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    if r == n - 1 {
+        std::thread::sleep(Duration::from_millis(1));
+        std::process::exit(0);
+    }
+    let mine = vec![r as u8; 1 << 20];
+    let mut all = vec![0u8; n << 20];
+    match g.all_gather(&mine, &mut all) {
+        Err(e @ Error::PeerLost { peer, .. }) => {
+            println!("rank {r}: {e}");
+            assert_eq!(peer, n - 1, "rank {r} names the wrong peer: {e}");
+        }
+        other => panic!(
+            "rank {r}: expected the loss of rank {}, got {other:?}",
+            n - 1
+        ),
+    }
+}
+
+#[test]
+fn a_dead_rank_is_named_by_every_survivor_of_a_direct_step() {
+    run_native_env(
+        "a_dead_rank_is_named_by_every_survivor_of_a_direct_step",
+        &[3],
+        &[],
+        survivors_of_a_direct_step_name_the_dead_rank,
+    );
+}
+
 #[test]
 fn a_dead_rank_is_named_by_every_survivor() {
     run_native_env(

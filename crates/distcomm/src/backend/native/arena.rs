@@ -37,6 +37,8 @@
 //! breaks the arena for good (the ranks' chunk counters may no longer agree): the flag tells
 //! every rank, and later calls take the network algorithms.
 
+mod direct;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,6 +53,7 @@ use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::shm::Region;
 use crate::transport::tcp::Engine;
 
+pub(crate) use self::direct::Remote;
 pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
@@ -111,6 +114,9 @@ pub(crate) struct Arena {
     /// `begin` need not read another rank's line at every step (a cache line from the other
     /// core each time: what a root running ahead of its readers paid per call).
     seen: Vec<AtomicU64>,
+    /// Every rank's process id, when every pair of ranks can copy across processes (direct
+    /// steps, see `direct.rs`).
+    pids: Option<Vec<i32>>,
 }
 
 /// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
@@ -146,7 +152,18 @@ struct Wait<'a> {
     call: (u64, u64),
 }
 
-impl Wait<'_> {
+impl<'a> Wait<'a> {
+    /// Waiting in a step of the call `s`.
+    fn new(s: &Exchange<'a>) -> Wait<'a> {
+        Wait {
+            op: s.op,
+            since: std::cell::Cell::new(None),
+            timeout: s.timeout,
+            engine: s.engine,
+            call: fp_words(s.fp, s.dtype, s.tag),
+        }
+    }
+
     fn waited(&self) -> Duration {
         match self.since.get() {
             Some(t) => t.elapsed(),
@@ -166,6 +183,7 @@ impl Arena {
         members: Arc<Vec<usize>>,
         chunk: usize,
         cfg: &ArenaConfig,
+        pids: Option<Vec<i32>>,
     ) -> Arena {
         let seen = (0..members.len()).map(|_| AtomicU64::new(0)).collect();
         Arena {
@@ -179,6 +197,7 @@ impl Arena {
             step: AtomicU64::new(0),
             chain: AtomicU64::new(0),
             seen,
+            pids,
         }
     }
 
@@ -289,12 +308,14 @@ impl Arena {
                 after: w.timeout,
             });
         }
+        // The broken flag first: a rank that broke the arena (and may have left since) said
+        // why, which the loss of its connection would hide.
+        if !self.usable() {
+            return Some(self.broken_error(op));
+        }
         let global = self.global(r);
         if let Some(reason) = w.engine.peer_failure(global) {
             return Some(self.lost(op, r, reason));
-        }
-        if !self.usable() {
-            return Some(self.broken_error(op));
         }
         let at = self.current_at(r);
         let c0 = self.region.word(at).load(Ordering::Acquire);
@@ -652,13 +673,7 @@ impl Arena {
     ) -> Result<()> {
         let step = self.step.load(Ordering::Acquire);
         let parity = step % 2;
-        let w = Wait {
-            op: s.op,
-            since: std::cell::Cell::new(None),
-            timeout: s.timeout,
-            engine: s.engine,
-            call: fp_words(s.fp, s.dtype, s.tag),
-        };
+        let w = Wait::new(s);
         let mine = sizes(self.me);
         if mine > self.chunk {
             return Err(Error::Aborted {
@@ -723,6 +738,14 @@ pub(crate) fn establish(
         &format!("arena/ok/{me}"),
         yes(all_shm && cfg.enabled).as_bytes(),
     )?;
+    // Cross-memory copies are tried from every rank's probe word, which lives until every
+    // rank has answered (the go below).
+    let probe_word = Box::new(direct::probe_value(me));
+    let offer = match all_shm && cfg.enabled && cfg.cma {
+        true => direct::probe_offer(&probe_word),
+        false => "-".into(),
+    };
+    store.set(&format!("arena/cma/{me}"), offer.as_bytes())?;
     let mut mine = None;
     if me == 0 {
         let mut all = true;
@@ -756,21 +779,25 @@ pub(crate) fn establish(
         Some((region, _)) => Some(region),
         None => Region::open(&name, arena_len(n, chunk)).ok(),
     };
-    store.set(
-        &format!("arena/mapped/{me}"),
-        yes(region.is_some()).as_bytes(),
-    )?;
+    let pids = direct::probe(&direct::offers(store, n)?, me);
+    let answer = format!("{} {}", yes(region.is_some()), yes(pids.is_some()));
+    store.set(&format!("arena/mapped/{me}"), answer.as_bytes())?;
     if me == 0 {
-        let mut all = true;
+        let (mut all, mut direct) = (true, true);
         for r in 0..n {
-            all &= store.get(&format!("arena/mapped/{r}"))? == b"1";
+            let a = store.get(&format!("arena/mapped/{r}"))?;
+            all &= a.starts_with(b"1");
+            direct &= a.ends_with(b" 1");
         }
         Region::unlink(&name);
-        store.set("arena/go", yes(all).as_bytes())?;
+        let go = format!("{} {}", yes(all), yes(direct));
+        store.set("arena/go", go.as_bytes())?;
     }
-    let go = store.get("arena/go")? == b"1";
-    Ok(match (go, region) {
-        (true, Some(region)) => Some(Arc::new(Arena::new(region, me, members, chunk, cfg))),
+    let go = store.get("arena/go")?;
+    drop(probe_word);
+    let pids = pids.filter(|_| go.ends_with(b" 1"));
+    Ok(match (go.starts_with(b"1"), region) {
+        (true, Some(region)) => Some(Arc::new(Arena::new(region, me, members, chunk, cfg, pids))),
         _ => None,
     })
 }

@@ -131,13 +131,17 @@ impl Run<'_> {
         }
         if let Some(arena) = &self.arena {
             if let Some(bytes) = super::intranode::part_bytes::<T>(&coll, call, self.size()) {
-                if super::intranode::worth_it(&coll, bytes, arena) && arena.usable() {
+                let direct = super::intranode::direct_worth_it(&coll, arena, self.size());
+                if (direct || super::intranode::worth_it(&coll, bytes, arena)) && arena.usable() {
                     // Every rank enters the arena in issue order: wait until every earlier
                     // collective of the group has started, and hold the turn until this one
                     // ends.
                     turn.wait(op, self.rank, self.timeout)?;
                     if arena.usable() {
-                        return self.through_arena::<T>(arena, call, tag, coll);
+                        return match direct {
+                            true => self.through_direct::<T>(arena, call, tag, coll),
+                            false => self.through_arena::<T>(arena, call, tag, coll),
+                        };
                     }
                 }
             }

@@ -60,6 +60,8 @@ pub(crate) struct ArenaConfig {
     pub chunk: usize,
     pub oversubscribed: bool,
     pub max_bytes: usize,
+    /// Whether the arena may copy across processes (direct steps), where every pair can.
+    pub cma: bool,
 }
 
 /// One group on the native engine.

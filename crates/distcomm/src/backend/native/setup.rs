@@ -85,6 +85,7 @@ impl Native<'_> {
             // Measured faster than the network algorithms at every size up to 64 MiB here
             // (see the README); `DISTCOMM_SHM_ALLREDUCE_MAX` caps it.
             max_bytes: env.shm_allreduce_max.unwrap_or(usize::MAX),
+            cma: env.shm_cma,
         };
         let arena = arena::establish(store, rank, members.clone(), all_shm, &arena_cfg)?;
         let state = State {

@@ -1,0 +1,183 @@
+//! Direct steps: parts read straight from the other ranks' own buffers by cross-memory attach
+//! (`process_vm_readv`), one copy instead of the slots' two (in, out) — Open MPI's single-copy
+//! `vader` transfers, inside the arena's steps, issue order and checks.
+//!
+//! A direct step publishes, in the rank's control line of the step, where its part lies (address
+//! and length in its own process) and raises its sequence word to `2·step + 1`; every rank reads
+//! what it needs from the ranks it reads, checks their calls first (as any step does), and raises
+//! its word to `2·step + 2`; a rank whose part others read returns only once they all have, so
+//! its caller never changes memory another rank is still copying from, and then checks their
+//! calls too (the root of a broadcast reads nobody, yet must not miss a root that differs).
+//!
+//! A rank that gives up (deadline, a lost peer, a desync) breaks the arena before its call
+//! returns; a reader checks the flag after its copies, so data a returned caller may have
+//! changed meanwhile is never taken for a result. Only reads cross processes: a late or failed
+//! copy can never write into another rank's memory.
+//!
+//! Cross-memory attach must work between every pair of ranks (Yama's `ptrace_scope`,
+//! containers and seccomp may forbid it): [`probe`] tries it between all of them at set-up, and
+//! every rank takes direct steps only when all could (`DISTCOMM_SHM_CMA=0` turns them off).
+
+use std::sync::atomic::Ordering;
+
+use super::{Arena, Reads, Wait, LINE_DATA};
+use crate::backend::native::Exchange;
+use crate::error::{Error, Result};
+use crate::rendezvous::Store;
+use crate::transport::shm::cma_read;
+
+/// Where another rank's part of a direct step lies, in its process.
+pub(crate) struct Remote {
+    pid: i32,
+    addr: u64,
+    len: usize,
+}
+
+impl Remote {
+    /// Copies the part's bytes `at..at + dst.len()` into `dst`. An error when they are not all
+    /// in the part (what the other rank published disagrees with this call) or the copy fails.
+    pub(crate) fn read(&self, op: &'static str, at: usize, dst: &mut [u8]) -> Result<()> {
+        let fits = at.checked_add(dst.len()).is_some_and(|end| end <= self.len);
+        if !fits {
+            return Err(Error::Aborted {
+                op,
+                rank: usize::MAX,
+                reason: format!(
+                    "internal: bytes {at}..{} of a {}-byte part read in a direct step",
+                    at.saturating_add(dst.len()),
+                    self.len
+                ),
+            });
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        cma_read(self.pid, self.addr + at as u64, dst).map_err(|e| Error::Aborted {
+            op,
+            rank: usize::MAX,
+            reason: format!("cross-memory copy from process {} failed: {e}", self.pid),
+        })
+    }
+}
+
+impl Arena {
+    /// Whether this arena takes direct steps (every pair of ranks can copy across processes).
+    pub(crate) fn direct(&self) -> bool {
+        self.pids.is_some()
+    }
+
+    /// One direct step (see the module's doc): publishes `mine` (the part the ranks `read_by`
+    /// read; any bytes, empty when nobody reads it), waits for the ranks `reads`, checks their
+    /// calls, hands each of their parts to `get(r, part)` (in rank order, never this rank's
+    /// own), then waits until the ranks `read_by` are done with `mine`.
+    pub(crate) fn exchange_direct(
+        &self,
+        s: &Exchange<'_>,
+        (reads, read_by): (Reads, Reads),
+        mine: &[u8],
+        get: &mut dyn FnMut(usize, &Remote) -> Result<()>,
+    ) -> Result<()> {
+        let me = self.me;
+        let (Some(pids), step) = (&self.pids, self.step.load(Ordering::Acquire)) else {
+            return Err(Error::Aborted {
+                op: s.op,
+                rank: me,
+                reason: "internal: a direct step in an arena without cross-memory copies".into(),
+            });
+        };
+        let w = Wait::new(s);
+        let data = |r: usize| self.line(r, step) + LINE_DATA;
+        let mut chained = 0;
+        let done = self.begin(step, false, &w).and_then(|()| {
+            chained = self.publish(step, w.call);
+            self.region
+                .word(data(me))
+                .store(mine.as_ptr() as u64, Ordering::Relaxed);
+            self.region
+                .word(data(me) + 8)
+                .store(mine.len() as u64, Ordering::Relaxed);
+            self.seq(me, step).store(2 * step + 1, Ordering::Release);
+            self.wait_for(reads, step, 2 * step + 1, &w)?;
+            self.check_calls(reads, s.op, step, w.call, chained)?;
+            for r in reads.ranks(self.n).filter(|&r| r != me) {
+                let part = Remote {
+                    pid: pids[r],
+                    addr: self.region.word(data(r)).load(Ordering::Relaxed),
+                    len: usize::try_from(self.region.word(data(r) + 8).load(Ordering::Relaxed))
+                        .unwrap_or(usize::MAX),
+                };
+                get(r, &part).map_err(|e| self.ours(e))?;
+            }
+            // A rank that gave up broke the arena before its caller could touch its part again:
+            // what we copied is only good if nobody has.
+            if !self.usable() {
+                return Err(self.broken_error(s.op));
+            }
+            self.seq(me, step).store(2 * step + 2, Ordering::Release);
+            self.wait_for(read_by, step, 2 * step + 2, &w)?;
+            // The ranks that read us check our call; we check theirs too (a rank that read
+            // nobody, say the root of a broadcast, would not see a root that differs).
+            self.check_calls(read_by, s.op, step, w.call, chained)
+        });
+        match &done {
+            Ok(()) => {
+                self.chain.store(chained, Ordering::Relaxed);
+                self.step.store(step + 1, Ordering::Release);
+            }
+            Err(e) => self.break_for(e),
+        }
+        done
+    }
+
+    /// An error of a [`Remote`] read, with this rank in it.
+    fn ours(&self, e: Error) -> Error {
+        match e {
+            Error::Aborted { op, reason, .. } => Error::Aborted {
+                op,
+                rank: self.me,
+                reason,
+            },
+            e => e,
+        }
+    }
+}
+
+/// What this rank publishes for the probe: its process id and the address of `word`.
+pub(super) fn probe_offer(word: &u64) -> String {
+    format!("{} {}", std::process::id(), word as *const u64 as u64)
+}
+
+/// Tries a cross-memory copy from every other rank's probe word (`offers[r]`, from
+/// [`probe_offer`]; rank `r`'s word holds [`probe_value`]`(r)`): the process ids of all ranks
+/// when every copy worked, else `None`.
+pub(super) fn probe(offers: &[String], me: usize) -> Option<Vec<i32>> {
+    let mut pids = Vec::with_capacity(offers.len());
+    for (r, offer) in offers.iter().enumerate() {
+        let (pid, addr) = offer.split_once(' ')?;
+        let (pid, addr) = (pid.parse::<i32>().ok()?, addr.parse::<u64>().ok()?);
+        if r != me {
+            let mut got = [0u8; 8];
+            cma_read(pid, addr, &mut got).ok()?;
+            if u64::from_le_bytes(got) != probe_value(r) {
+                return None;
+            }
+        }
+        pids.push(pid);
+    }
+    Some(pids)
+}
+
+/// The value rank `r`'s probe word holds.
+pub(super) fn probe_value(r: usize) -> u64 {
+    0x6463_6469_7265_6374 ^ r as u64 // "dcdirect"
+}
+
+/// Every rank's probe offer from the store (`arena/cma/{r}`).
+pub(super) fn offers(store: &dyn Store, n: usize) -> Result<Vec<String>> {
+    (0..n)
+        .map(|r| {
+            let v = store.get(&format!("arena/cma/{r}"))?;
+            Ok(String::from_utf8_lossy(&v).into_owned())
+        })
+        .collect()
+}

@@ -114,18 +114,42 @@ pub(super) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// Smallest piece of a part that moves in pieces.
 const PIECE_MIN: usize = 64 << 10;
 
-/// Broadcast, gather, scatter, all_gather and even all_to_all move by direct steps (one
+/// Gather, scatter, all_gather, even all_to_all and broadcast move by direct steps (one
 /// cross-memory copy, see `arena/direct.rs`) where the arena takes them and each block a rank
-/// copies has at least this many bytes; below, the slots' two copies cost less than the
-/// system call and the wait for the readers.
-pub(super) const DIRECT_MIN: usize = 32 << 10;
+/// copies has at least this many bytes; below, the slots' two copies cost less than the system
+/// call and the wait for the readers. Measured with `scripts/ab.py` against the slots (world 2,
+/// 2 pairs, new / old time): blocks of 32 KiB 0.92-1.22, 128 KiB 0.70-0.78, 512 KiB 0.44-0.91,
+/// 8-32 MiB 0.49-0.85.
+pub(super) const DIRECT_MIN: usize = 64 << 10;
+/// A broadcast takes direct steps up to this size: beyond, the root copying pieces in while the
+/// readers copy the previous ones out (both cores at work) moves more than one cross-memory copy
+/// (world 2, 3 pairs: 1 MiB 0.55 the slots' time, 2 MiB 0.93, 4 MiB 1.26, 16 MiB 1.39).
+pub(super) const DIRECT_BROADCAST_MAX: usize = 2 << 20;
+/// When ranks outnumber cores, gather and all_to_all take direct steps only from blocks this
+/// large (world 4 on 2 cores: all_to_all 256 KiB blocks 1.45 the slots' time, 4 MiB 0.66; gather
+/// 64 KiB 1.26, world 3 gather 340 KiB 1.15, world 4 4 MiB 0.72), scatter from [`DIRECT_MIN`]
+/// (0.21-0.96 from 64 KiB), broadcast and all_gather never (a root that waits for its readers
+/// costs a context switch each: world 4 broadcast 1.15-2.45, all_gather 1.02-1.68).
+pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 
 /// Whether `coll` moves by a direct step in `arena`.
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
+    let crowded = arena.oversubscribed();
+    // A block below the oversubscribed threshold counts as too small.
+    let large = |block: usize| {
+        if block >= OVERSUBSCRIBED_DIRECT_MIN {
+            block
+        } else {
+            0
+        }
+    };
     let block = match coll {
-        Coll::Broadcast(buf, _) => buf.len(),
-        Coll::AllGather(input, _) | Coll::Gather(input, ..) => input.len(),
+        Coll::Broadcast(buf, _) if !crowded && buf.len() <= DIRECT_BROADCAST_MAX => buf.len(),
+        Coll::AllGather(input, _) if !crowded => input.len(),
         Coll::Scatter(_, out, _) => out.len(),
+        Coll::Gather(input, ..) if crowded => large(input.len()),
+        Coll::Gather(input, ..) => input.len(),
+        Coll::AllToAll((input, _), _) if crowded => large(input.len() / n.max(1)),
         Coll::AllToAll((input, _), _) => input.len() / n.max(1),
         _ => return false,
     };

@@ -122,7 +122,18 @@ fn every_survivor_names_the_dead_rank(g: &ProcessGroup) {
     }
     let t = Instant::now();
     let mut big = vec![1f32; 4 << 20];
-    match g.all_reduce(&mut big, ReduceOp::Sum) {
+    names_the_last_rank(g, g.all_reduce(&mut big, ReduceOp::Sum));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+/// Asserts that `got` is the loss of the group's last rank.
+fn names_the_last_rank(g: &ProcessGroup, got: distcomm::Result<()>) {
+    let (n, r) = (g.size(), g.rank());
+    match got {
         Err(e @ Error::PeerLost { peer, .. }) => {
             println!("rank {r}: {e}");
             assert_eq!(peer, n - 1, "rank {r} names the wrong peer: {e}");
@@ -132,11 +143,6 @@ fn every_survivor_names_the_dead_rank(g: &ProcessGroup) {
             n - 1
         ),
     }
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        t.elapsed()
-    );
 }
 
 /// The same when the collective is a gather of the arena's direct steps (the root copies straight
@@ -151,16 +157,7 @@ fn survivors_of_a_direct_step_name_the_dead_rank(g: &ProcessGroup) {
     }
     let mine = vec![r as u8; 1 << 20];
     let mut all = (r == 0).then(|| vec![0u8; n << 20]);
-    match g.gather(&mine, all.as_deref_mut(), 0) {
-        Err(e @ Error::PeerLost { peer, .. }) => {
-            println!("rank {r}: {e}");
-            assert_eq!(peer, n - 1, "rank {r} names the wrong peer: {e}");
-        }
-        other => panic!(
-            "rank {r}: expected the loss of rank {}, got {other:?}",
-            n - 1
-        ),
-    }
+    names_the_last_rank(g, g.gather(&mine, all.as_deref_mut(), 0));
 }
 
 #[test]

@@ -713,6 +713,12 @@ impl Arena {
                 get(r, unsafe { self.region.view::<u8>(at(r), len) })
             })
         });
+        self.end_step(step, chained, done)
+    }
+
+    /// After one step that published call chain `chained`: on to the next step, or the arena
+    /// broken for good when the step failed.
+    fn end_step(&self, step: u64, chained: u64, done: Result<()>) -> Result<()> {
         match &done {
             Ok(()) => {
                 self.chain.store(chained, Ordering::Relaxed);

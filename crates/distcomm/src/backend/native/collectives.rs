@@ -125,7 +125,7 @@ impl Run<'_> {
             if arena.usable() {
                 turn.wait(op, self.rank, self.timeout)?;
                 if arena.usable() {
-                    return self.through_arena::<T>(arena, call, tag, coll);
+                    return self.through_arena::<T>(arena, call, tag, (coll, false));
                 }
             }
         }
@@ -138,10 +138,7 @@ impl Run<'_> {
                     // ends.
                     turn.wait(op, self.rank, self.timeout)?;
                     if arena.usable() {
-                        return match direct {
-                            true => self.through_direct::<T>(arena, call, tag, coll),
-                            false => self.through_arena::<T>(arena, call, tag, coll),
-                        };
+                        return self.through_arena::<T>(arena, call, tag, (coll, direct));
                     }
                 }
             }

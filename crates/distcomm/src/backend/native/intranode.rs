@@ -156,19 +156,93 @@ pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool 
     arena.direct() && block >= DIRECT_MIN
 }
 
+/// Runs `coll` (broadcast, gather, scatter, all_gather or all_to_all: see [`direct_worth_it`])
+/// as one direct step of `arena` (`s`: the call of `kind`): every rank reads its blocks straight
+/// from the buffers of the ranks that hold them.
+fn direct_step(
+    arena: &Arena,
+    s: &Exchange<'_>,
+    kind: CallKind,
+    me: usize,
+    n: usize,
+    coll: Coll<'_>,
+) -> Result<()> {
+    let op = s.op;
+    let (all, nobody) = ((Reads::All, Reads::All), (Reads::Nobody, Reads::Nobody));
+    let ignore = &mut |_: usize, _: &Remote| Ok(());
+    match coll {
+        Coll::Broadcast(buf, root) if me == root => {
+            count_sent(buf.len());
+            arena.exchange_direct(s, (Reads::Nobody, Reads::All), buf, ignore)
+        }
+        Coll::Broadcast(buf, root) => {
+            let mut get = |_: usize, part: &Remote| part.read(op, 0, buf);
+            arena.exchange_direct(s, (Reads::Rank(root), Reads::Nobody), &[], &mut get)
+        }
+        Coll::AllGather(input, out) | Coll::Gather(input, Some(out), _) => {
+            let k = input.len();
+            count_sent(k);
+            let mut get = |r: usize, part: &Remote| part.read(op, 0, &mut out[r * k..][..k]);
+            // Nobody reads the root's part of a gather.
+            let (mine, reads) = match kind {
+                CallKind::Gather => (&[][..], (Reads::All, Reads::Nobody)),
+                _ => (input, all),
+            };
+            arena.exchange_direct(s, reads, mine, &mut get)
+        }
+        Coll::Gather(input, None, root) => {
+            count_sent(input.len());
+            arena.exchange_direct(s, (Reads::Nobody, Reads::Rank(root)), input, ignore)
+        }
+        Coll::Scatter(input, out, root) => {
+            let k = out.len();
+            if me == root {
+                let input = input.unwrap_or_default();
+                count_sent(input.len());
+                return arena.exchange_direct(s, (Reads::Nobody, Reads::All), input, ignore);
+            }
+            let mut get = |_: usize, part: &Remote| part.read(op, me * k, out);
+            arena.exchange_direct(s, (Reads::Rank(root), Reads::Nobody), &[], &mut get)
+        }
+        Coll::AllToAll((input, _), (out, _)) => {
+            let k = input.len() / n.max(1);
+            count_sent(input.len());
+            // Our own block stays out (the caller copied it already).
+            let mut get = |r: usize, part: &Remote| part.read(op, me * k, &mut out[r * k..][..k]);
+            arena.exchange_direct(s, all, input, &mut get)
+        }
+        _ => arena.exchange_direct(s, nobody, &[], ignore),
+    }
+}
+
 impl Run<'_> {
-    /// Runs `coll` through the arena (its part fits: see [`part_bytes`]), in the call's turn.
+    /// Runs `coll` through the arena (its part fits: see [`part_bytes`]; with `direct`, as one
+    /// direct step: see [`direct_worth_it`]), in the call's turn.
     pub(super) fn through_arena<T: Reducible>(
         &self,
         arena: &Arena,
         call: &Call,
         tag: u32,
-        coll: Coll<'_>,
+        (coll, direct): (Coll<'_>, bool),
     ) -> Result<()> {
         let (n, me) = (self.size(), self.rank);
-        chose(&call.algo("shared-memory arena"), T::DTYPE, me, n, 1);
+        let algo = match direct {
+            true => "shared-memory arena, direct copies",
+            false => "shared-memory arena",
+        };
+        chose(&call.algo(algo), T::DTYPE, me, n, 1);
         let fp = call.fingerprint();
-        let s = self.exchange_of::<T>(call, &fp, tag);
+        let s = Exchange {
+            op: call.kind.name(),
+            fp: &fp,
+            dtype: T::DTYPE,
+            tag,
+            timeout: self.timeout,
+            engine: &self.engine,
+        };
+        if direct {
+            return direct_step(arena, &s, call.kind, me, n, coll);
+        }
         match coll {
             Coll::Broadcast(buf, root) => {
                 if me == root {
@@ -304,92 +378,6 @@ impl Run<'_> {
                 arena.exchange(&s, Reads::All, &|_| 0, &mut |_| {}, &mut |_, _| Ok(()))
             }
             Coll::AllReduce(..) => Ok(()),
-        }
-    }
-
-    /// Runs `coll` (broadcast, gather, scatter, all_gather or all_to_all: see
-    /// [`direct_worth_it`]) as one direct step of `arena`: every rank reads its blocks straight
-    /// from the buffers of the ranks that hold them.
-    pub(super) fn through_direct<T: Reducible>(
-        &self,
-        arena: &Arena,
-        call: &Call,
-        tag: u32,
-        coll: Coll<'_>,
-    ) -> Result<()> {
-        let (n, me) = (self.size(), self.rank);
-        chose(
-            &call.algo("shared-memory arena, direct copies"),
-            T::DTYPE,
-            me,
-            n,
-            1,
-        );
-        let fp = call.fingerprint();
-        let s = self.exchange_of::<T>(call, &fp, tag);
-        let op = s.op;
-        let (all, nobody) = ((Reads::All, Reads::All), (Reads::Nobody, Reads::Nobody));
-        let ignore = &mut |_: usize, _: &Remote| Ok(());
-        match coll {
-            Coll::Broadcast(buf, root) if me == root => {
-                count_sent(buf.len());
-                arena.exchange_direct(&s, (Reads::Nobody, Reads::All), buf, ignore)
-            }
-            Coll::Broadcast(buf, root) => {
-                let mut get = |_: usize, part: &Remote| part.read(op, 0, buf);
-                arena.exchange_direct(&s, (Reads::Rank(root), Reads::Nobody), &[], &mut get)
-            }
-            Coll::AllGather(input, out) | Coll::Gather(input, Some(out), _) => {
-                let k = input.len();
-                count_sent(k);
-                let mut get = |r: usize, part: &Remote| part.read(op, 0, &mut out[r * k..][..k]);
-                // Nobody reads the root's part of a gather.
-                let (mine, reads) = match call.kind {
-                    CallKind::Gather => (&[][..], (Reads::All, Reads::Nobody)),
-                    _ => (input, all),
-                };
-                arena.exchange_direct(&s, reads, mine, &mut get)
-            }
-            Coll::Gather(input, None, root) => {
-                count_sent(input.len());
-                arena.exchange_direct(&s, (Reads::Nobody, Reads::Rank(root)), input, ignore)
-            }
-            Coll::Scatter(input, out, root) => {
-                let k = out.len();
-                if me == root {
-                    let input = input.unwrap_or_default();
-                    count_sent(input.len());
-                    return arena.exchange_direct(&s, (Reads::Nobody, Reads::All), input, ignore);
-                }
-                let mut get = |_: usize, part: &Remote| part.read(op, me * k, out);
-                arena.exchange_direct(&s, (Reads::Rank(root), Reads::Nobody), &[], &mut get)
-            }
-            Coll::AllToAll((input, _), (out, _)) => {
-                let k = input.len() / n.max(1);
-                count_sent(input.len());
-                // Our own block stays out (the caller copied it already).
-                let mut get =
-                    |r: usize, part: &Remote| part.read(op, me * k, &mut out[r * k..][..k]);
-                arena.exchange_direct(&s, all, input, &mut get)
-            }
-            _ => arena.exchange_direct(&s, nobody, &[], ignore),
-        }
-    }
-
-    /// The description of call `call` (sequence number `tag`) for the arena's steps.
-    fn exchange_of<'a, T: Reducible>(
-        &'a self,
-        call: &Call,
-        fp: &'a crate::call::Fingerprint,
-        tag: u32,
-    ) -> Exchange<'a> {
-        Exchange {
-            op: call.kind.name(),
-            fp,
-            dtype: T::DTYPE,
-            tag,
-            timeout: self.timeout,
-            engine: &self.engine,
         }
     }
 

@@ -119,14 +119,7 @@ impl Arena {
             // nobody, say the root of a broadcast, would not see a root that differs).
             self.check_calls(read_by, s.op, step, w.call, chained)
         });
-        match &done {
-            Ok(()) => {
-                self.chain.store(chained, Ordering::Relaxed);
-                self.step.store(step + 1, Ordering::Release);
-            }
-            Err(e) => self.break_for(e),
-        }
-        done
+        self.end_step(step, chained, done)
     }
 
     /// An error of a [`Remote`] read, with this rank in it.

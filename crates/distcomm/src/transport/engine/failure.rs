@@ -73,8 +73,9 @@ impl State {
     }
 
     /// Reads and handles what `p` left in its socket and lane, up to a bound (a peer declared
-    /// dead for another reason may still be writing).
+    /// dead for another reason may still be writing): the answers to our lane sends first.
     fn read_last_words(&mut self, p: usize) {
+        self.poll_lane_acks(p);
         for _ in 0..LAST_WORDS_ROUNDS {
             let lane = self.pump_lane(p).unwrap_or(false);
             if !(self.pump_rx(p).unwrap_or(false) || lane) {

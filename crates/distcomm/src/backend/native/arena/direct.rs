@@ -29,8 +29,11 @@ use crate::transport::shm::cma_read;
 /// Where another rank's part of a direct step lies, in its process.
 pub(crate) struct Remote {
     pid: i32,
+    /// As the other rank published it (a bad one is an error of the copy, never a crash).
     addr: u64,
     len: usize,
+    /// The rank that reads it, for errors.
+    reader: usize,
 }
 
 impl Remote {
@@ -41,7 +44,7 @@ impl Remote {
         if !fits {
             return Err(Error::Aborted {
                 op,
-                rank: usize::MAX,
+                rank: self.reader,
                 reason: format!(
                     "internal: bytes {at}..{} of a {}-byte part read in a direct step",
                     at.saturating_add(dst.len()),
@@ -52,9 +55,10 @@ impl Remote {
         if dst.is_empty() {
             return Ok(());
         }
-        cma_read(self.pid, self.addr + at as u64, dst).map_err(|e| Error::Aborted {
+        let addr = self.addr.wrapping_add(at as u64);
+        cma_read(self.pid, addr, dst).map_err(|e| Error::Aborted {
             op,
-            rank: usize::MAX,
+            rank: self.reader,
             reason: format!("cross-memory copy from process {} failed: {e}", self.pid),
         })
     }
@@ -105,8 +109,9 @@ impl Arena {
                     addr: self.region.word(data(r)).load(Ordering::Relaxed),
                     len: usize::try_from(self.region.word(data(r) + 8).load(Ordering::Relaxed))
                         .unwrap_or(usize::MAX),
+                    reader: me,
                 };
-                get(r, &part).map_err(|e| self.ours(e))?;
+                get(r, &part)?;
             }
             // A rank that gave up broke the arena before its caller could touch its part again:
             // what we copied is only good if nobody has.
@@ -120,18 +125,6 @@ impl Arena {
             self.check_calls(read_by, s.op, step, w.call, chained)
         });
         self.end_step(step, chained, done)
-    }
-
-    /// An error of a [`Remote`] read, with this rank in it.
-    fn ours(&self, e: Error) -> Error {
-        match e {
-            Error::Aborted { op, reason, .. } => Error::Aborted {
-                op,
-                rank: self.me,
-                reason,
-            },
-            e => e,
-        }
     }
 }
 
@@ -151,7 +144,7 @@ pub(super) fn probe(offers: &[String], me: usize) -> Option<Vec<i32>> {
         if r != me {
             let mut got = [0u8; 8];
             cma_read(pid, addr, &mut got).ok()?;
-            if u64::from_le_bytes(got) != probe_value(r) {
+            if u64::from_ne_bytes(got) != probe_value(r) {
                 return None;
             }
         }

@@ -135,25 +135,22 @@ pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 /// Whether `coll` moves by a direct step in `arena`.
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
     let crowded = arena.oversubscribed();
-    // A block below the oversubscribed threshold counts as too small.
-    let large = |block: usize| {
-        if block >= OVERSUBSCRIBED_DIRECT_MIN {
-            block
-        } else {
-            0
-        }
+    let crowded_min = if crowded {
+        OVERSUBSCRIBED_DIRECT_MIN
+    } else {
+        DIRECT_MIN
     };
-    let block = match coll {
-        Coll::Broadcast(buf, _) if !crowded && buf.len() <= DIRECT_BROADCAST_MAX => buf.len(),
-        Coll::AllGather(input, _) if !crowded => input.len(),
-        Coll::Scatter(_, out, _) => out.len(),
-        Coll::Gather(input, ..) if crowded => large(input.len()),
-        Coll::Gather(input, ..) => input.len(),
-        Coll::AllToAll((input, _), _) if crowded => large(input.len() / n.max(1)),
-        Coll::AllToAll((input, _), _) => input.len() / n.max(1),
+    let (block, min) = match coll {
+        Coll::Broadcast(buf, _) if !crowded && buf.len() <= DIRECT_BROADCAST_MAX => {
+            (buf.len(), DIRECT_MIN)
+        }
+        Coll::AllGather(input, _) if !crowded => (input.len(), DIRECT_MIN),
+        Coll::Scatter(_, out, _) => (out.len(), DIRECT_MIN),
+        Coll::Gather(input, ..) => (input.len(), crowded_min),
+        Coll::AllToAll((input, _), _) => (input.len() / n.max(1), crowded_min),
         _ => return false,
     };
-    arena.direct() && block >= DIRECT_MIN
+    arena.direct() && block >= min
 }
 
 /// Runs `coll` (broadcast, gather, scatter, all_gather or all_to_all: see [`direct_worth_it`])
@@ -168,7 +165,7 @@ fn direct_step(
     coll: Coll<'_>,
 ) -> Result<()> {
     let op = s.op;
-    let (all, nobody) = ((Reads::All, Reads::All), (Reads::Nobody, Reads::Nobody));
+    let all = (Reads::All, Reads::All);
     let ignore = &mut |_: usize, _: &Remote| Ok(());
     match coll {
         Coll::Broadcast(buf, root) if me == root => {
@@ -211,7 +208,11 @@ fn direct_step(
             let mut get = |r: usize, part: &Remote| part.read(op, me * k, &mut out[r * k..][..k]);
             arena.exchange_direct(s, all, input, &mut get)
         }
-        _ => arena.exchange_direct(s, nobody, &[], ignore),
+        _ => Err(crate::error::Error::Aborted {
+            op,
+            rank: me,
+            reason: "internal: this collective has no direct step".into(),
+        }),
     }
 }
 

@@ -32,7 +32,8 @@ pub(crate) struct Remote {
     /// As the other rank published it (a bad one is an error of the copy, never a crash).
     addr: u64,
     len: usize,
-    /// The rank that reads it, for errors.
+    /// The rank whose part it is and the rank that reads it (group ranks), for errors.
+    owner: usize,
     reader: usize,
 }
 
@@ -46,8 +47,9 @@ impl Remote {
                 op,
                 rank: self.reader,
                 reason: format!(
-                    "internal: bytes {at}..{} of a {}-byte part read in a direct step",
+                    "internal: bytes {at}..{} of rank {}'s {}-byte part read in a direct step",
                     at.saturating_add(dst.len()),
+                    self.owner,
                     self.len
                 ),
             });
@@ -59,7 +61,11 @@ impl Remote {
         cma_read(self.pid, addr, dst).map_err(|e| Error::Aborted {
             op,
             rank: self.reader,
-            reason: format!("cross-memory copy from process {} failed: {e}", self.pid),
+            reason: format!(
+                "cross-memory copy from rank {} (process {}) failed: {e}; \
+                 DISTCOMM_SHM_CMA=0 turns such copies off",
+                self.owner, self.pid
+            ),
         })
     }
 }
@@ -109,6 +115,7 @@ impl Arena {
                     addr: self.region.word(data(r)).load(Ordering::Relaxed),
                     len: usize::try_from(self.region.word(data(r) + 8).load(Ordering::Relaxed))
                         .unwrap_or(usize::MAX),
+                    owner: r,
                     reader: me,
                 };
                 get(r, &part)?;

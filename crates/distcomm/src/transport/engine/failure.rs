@@ -11,6 +11,7 @@ const LAST_WORDS_ROUNDS: usize = 4;
 
 impl State {
     /// Fails everything that depends on peer `p`.
+    ///
     /// Its last words come first: what `p` wrote before its connection ended (typically the
     /// cancellation of a collective, naming the rank whose loss was the real cause) is read and
     /// acted on before its loss is declared, so that a survivor which left after hearing of a

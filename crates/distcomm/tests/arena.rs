@@ -36,6 +36,48 @@ fn arena_collectives_in_small_slots() {
     );
 }
 
+/// A subgroup whose members share a host sets up an arena of its own at its first collective
+/// and gets the same results and desync detection there as the world (here with group ranks
+/// that are not the global ones: the last ranks in reverse), while a group of one beside it
+/// has none.
+#[test]
+fn subgroup_arenas() {
+    run_native("subgroup_arenas", &[3, 4], |g: &ProcessGroup| {
+        if g.transport() != "shm" {
+            return;
+        }
+        let (n, r) = (g.size(), g.rank());
+        let members: Vec<usize> = (1..n).rev().collect();
+        if r == 0 {
+            let solo = g.subgroup(&[0]).unwrap();
+            let mut x = [1.5f32];
+            solo.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [1.5]);
+            assert!(!solo.intranode_all_reduce());
+        } else {
+            let sub = g.subgroup(&members).unwrap();
+            assert_eq!(sub.rank(), n - 1 - r);
+            assert!(
+                !sub.intranode_all_reduce(),
+                "set up at the first collective"
+            );
+            let mut x = vec![r as i64; 5];
+            sub.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, vec![members.iter().sum::<usize>() as i64; 5]);
+            assert!(
+                sub.intranode_all_reduce(),
+                "rank {r}: no arena in the subgroup"
+            );
+            arena_collectives(&sub);
+        }
+        // The world's arena is its own: the subgroup's desync above did not break it.
+        let mut y = [1i32];
+        g.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        assert_eq!(y, [n as i32]);
+        assert!(g.intranode_all_reduce());
+    });
+}
+
 fn arena_collectives(g: &ProcessGroup) {
     {
         let (n, r) = (g.size(), g.rank());

@@ -160,6 +160,37 @@ fn survivors_of_a_direct_step_name_the_dead_rank(g: &ProcessGroup) {
     names_the_last_rank(g, g.gather(&mine, all.as_deref_mut(), 0));
 }
 
+/// A member gone before a subgroup's first collective (where the subgroup sets up its arena,
+/// waiting for every member) is named by every survivor at once, not after the deadline.
+fn survivors_of_a_subgroup_set_up_name_the_dead_rank(g: &ProcessGroup) {
+    let (n, r) = (g.size(), g.rank());
+    let all: Vec<usize> = (0..n).collect();
+    let sub = g.subgroup(&all).unwrap();
+    let mut x = vec![1f32; 1000];
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    if r == n - 1 {
+        std::process::exit(0);
+    }
+    let t = Instant::now();
+    let mut y = vec![1f32; 1000];
+    names_the_last_rank(&sub, sub.all_reduce(&mut y, ReduceOp::Sum));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn a_dead_rank_is_named_by_every_survivor_of_a_subgroup_set_up() {
+    run_native_env(
+        "a_dead_rank_is_named_by_every_survivor_of_a_subgroup_set_up",
+        &[3],
+        &[],
+        survivors_of_a_subgroup_set_up_name_the_dead_rank,
+    );
+}
+
 #[test]
 fn a_dead_rank_is_named_by_every_survivor_of_a_direct_step() {
     run_native_env(

@@ -477,9 +477,12 @@ impl Arena {
     /// too, as on the rank that saw it die).
     fn broken_error(&self, op: &'static str) -> Error {
         let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
-        let rank = self.global(self.me);
+        let rank = self.me;
         let aborted = |reason: String| Error::Aborted { op, rank, reason };
-        match Broken::decode(word) {
+        // The flag holds global ranks; errors name group ranks, as everywhere in a group.
+        let local = |g: usize| self.members.iter().position(|&m| m == g).unwrap_or(g);
+        let decoded = Broken::decode(word).map(|b| b.ranks(local));
+        match decoded {
             Some(Broken::PeerLost { by, peer }) if peer != rank => Error::PeerLost {
                 op,
                 rank,

@@ -15,6 +15,25 @@ pub(super) enum Broken {
 impl Broken {
     const RANK_MASK: u64 = (1 << 24) - 1;
 
+    /// The same word with every rank passed through `f` (global ranks to a group's).
+    pub(super) fn ranks(self, f: impl Fn(usize) -> usize) -> Broken {
+        match self {
+            Broken::PeerLost { by, peer } => Broken::PeerLost {
+                by: f(by),
+                peer: f(peer),
+            },
+            Broken::Timeout { by, peer } => Broken::Timeout {
+                by: f(by),
+                peer: f(peer),
+            },
+            Broken::Desync { by, peer } => Broken::Desync {
+                by: f(by),
+                peer: f(peer),
+            },
+            Broken::Other { by } => Broken::Other { by: f(by) },
+        }
+    }
+
     pub(super) fn encode(self) -> u64 {
         let (why, by, peer) = match self {
             Broken::PeerLost { by, peer } => (1, by, Some(peer)),

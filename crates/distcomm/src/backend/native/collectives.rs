@@ -80,6 +80,7 @@ pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> 
     } = c;
     let r = Run { b, timeout };
     let op = call.kind.name();
+    b.ensure_arena(op, timeout)?;
     let result = with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op));
     if let Err(e) = &result {
         b.cancel(&call, dtype, tag, e);
@@ -121,7 +122,7 @@ impl Run<'_> {
         if let Coll::AllReduce(buf, rop) = coll {
             return self.all_reduce_on(call, tag, typed_mut::<T>(op, buf)?, rop, turn);
         }
-        if let (Coll::Barrier, Some(arena)) = (&coll, &self.arena) {
+        if let (Coll::Barrier, Some(arena)) = (&coll, self.arena()) {
             if arena.usable() {
                 turn.wait(op, self.rank, self.timeout)?;
                 if arena.usable() {
@@ -129,7 +130,7 @@ impl Run<'_> {
                 }
             }
         }
-        if let Some(arena) = &self.arena {
+        if let Some(arena) = self.arena() {
             if let Some(bytes) = super::intranode::part_bytes::<T>(&coll, call, self.size()) {
                 let direct = super::intranode::direct_worth_it(&coll, arena, self.size());
                 if (direct || super::intranode::worth_it(&coll, bytes, arena)) && arena.usable() {
@@ -186,7 +187,7 @@ impl Run<'_> {
         inp: &[T],
     ) -> Result<()> {
         chose(call, T::DTYPE, self.rank, self.size(), sched.len());
-        if let Some(arena) = &self.arena {
+        if let Some(arena) = self.arena() {
             arena.announce(&call.fingerprint(), T::DTYPE, tag);
         }
         self.execute_rounds(call, tag, sched, out, inp)
@@ -399,7 +400,7 @@ impl Run<'_> {
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
         let bytes = size_of_val(buf);
-        if let Some(arena) = &self.arena {
+        if let Some(arena) = self.arena() {
             if bytes > 0 && bytes <= arena.max_bytes() {
                 // Every rank enters the arena in issue order: wait until every earlier
                 // collective of the group has started, and hold the turn until this one ends.

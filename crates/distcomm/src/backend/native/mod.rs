@@ -4,7 +4,8 @@
 //! when every member shares a host.
 //!
 //! A subgroup's backend shares the world's engine and connections; its messages travel in its
-//! own contexts (group number × [`CTX_PER_GROUP`]).
+//! own contexts (group number × [`CTX_PER_GROUP`]). A subgroup whose members share a host gets
+//! an arena of its own, set up at its first collective (`setup::subgroup_arena`).
 //!
 //! Owns: group ranks to global ranks, contexts, algorithm choice. Must not know: the API's
 //! handles beyond [`Work`], or any other backend.
@@ -24,7 +25,7 @@ mod setup;
 
 pub(crate) use setup::Native;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use self::arena::Arena;
@@ -55,6 +56,7 @@ pub(crate) struct Exchange<'a> {
 }
 
 /// Settings of the arena.
+#[derive(Clone)]
 pub(crate) struct ArenaConfig {
     pub enabled: bool,
     pub chunk: usize,
@@ -72,8 +74,13 @@ pub(crate) struct NativeBackend {
     rank: usize,
     /// Base of the group's contexts.
     ctx: u32,
-    /// The shared-memory arena of intra-node all_reduce (world group, all ranks on one host).
-    arena: Option<Arc<Arena>>,
+    /// The shared-memory arena of the group's collectives (all members on one host). The
+    /// world's is set up at init; a subgroup's at its first collective (see `recipe`).
+    arena: OnceLock<Option<Arc<Arena>>>,
+    /// What a subgroup's arena is set up with: the world's store and arena settings.
+    recipe: Option<Arc<setup::ArenaRecipe>>,
+    /// Serialises that set-up between collectives started on several threads.
+    arena_init: Mutex<()>,
     /// Scratch buffers of the schedules, reused so that large ones are not faulted in anew.
     pool: Pool,
     config: Arc<Config>,
@@ -85,7 +92,7 @@ impl NativeBackend {
         engine: Arc<Engine>,
         members: Arc<Vec<usize>>,
         rank: usize,
-        arena: Option<Arc<Arena>>,
+        arena: (Option<Arc<Arena>>, Option<Arc<setup::ArenaRecipe>>),
         config: Arc<Config>,
     ) -> NativeBackend {
         NativeBackend {
@@ -93,10 +100,40 @@ impl NativeBackend {
             members,
             rank,
             ctx: 0,
-            arena,
+            arena: OnceLock::from(arena.0),
+            recipe: arena.1,
+            arena_init: Mutex::new(()),
             pool: Pool::default(),
             config,
         }
+    }
+
+    /// The group's arena, once set up and if there is one.
+    fn arena(&self) -> Option<&Arc<Arena>> {
+        self.arena.get().and_then(Option::as_ref)
+    }
+
+    /// Sets up a subgroup's arena before its first collective (every member does it there, so
+    /// all agree on it); a no-op once done. A set-up that fails leaves the group without one
+    /// (its collectives take the network schedules) and returns the error.
+    fn ensure_arena(&self, op: &'static str, timeout: Duration) -> Result<()> {
+        if self.arena.get().is_some() {
+            return Ok(());
+        }
+        let _one = self.arena_init.lock().unwrap_or_else(|e| e.into_inner());
+        if self.arena.get().is_some() {
+            return Ok(());
+        }
+        let made = match &self.recipe {
+            Some(recipe) => setup::subgroup_arena(self, recipe, op, timeout),
+            None => Ok(None),
+        };
+        let (arena, result) = match made {
+            Ok(arena) => (arena, Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        let _ = self.arena.set(arena);
+        result
     }
 
     fn size(&self) -> usize {
@@ -280,12 +317,20 @@ impl Backend for NativeBackend {
         let Some(me) = how.me else {
             return Ok(None);
         };
+        // A subgroup of one, or one without a recipe (no arena anywhere), has no arena to set
+        // up; the others set theirs up at their first collective.
+        let arena = OnceLock::new();
+        if how.members.len() < 2 || self.recipe.is_none() {
+            let _ = arena.set(None);
+        }
         Ok(Some(Arc::new(NativeBackend {
             engine: self.engine.clone(),
             members: how.members.clone(),
             rank: me,
             ctx,
-            arena: None,
+            arena,
+            recipe: self.recipe.clone(),
+            arena_init: Mutex::new(()),
             pool: Pool::default(),
             config: self.config.clone(),
         })))
@@ -337,7 +382,7 @@ impl Backend for NativeBackend {
     }
 
     fn intranode_all_reduce(&self) -> bool {
-        self.arena.as_ref().is_some_and(|a| a.usable())
+        self.arena().is_some_and(|a| a.usable())
     }
 }
 

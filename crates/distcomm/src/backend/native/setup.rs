@@ -1,19 +1,21 @@
 //! Connecting the world group's native backend: the mesh through the rendezvous store,
-//! shared-memory links where the peer shares the host, the engine and the arena.
+//! shared-memory links where the peer shares the host, the engine and the arena; and the arena
+//! of a subgroup, set up at its first collective.
 //!
 //! Owns: the order of set-up and the engine's tuning. Must not know: the store's server or the
 //! API.
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::arena::{self, ArenaConfig};
+use super::arena::{self, Arena, ArenaConfig};
 use super::NativeBackend;
 use crate::config::{Config, OVERSUBSCRIBED_SPIN};
-use crate::error::Result;
-use crate::rendezvous::PrefixStore;
+use crate::error::{Error, Result};
+use crate::rendezvous::{PrefixStore, Store};
 use crate::transport::tcp::{Engine, EngineConfig};
+use crate::transport::LinkKind;
 use crate::transport::{connect_mesh, setup_shm, ShmConfig, TransportKind, DEFAULT_RING};
 
 /// What the world's native backend is connected with.
@@ -98,7 +100,99 @@ impl Native<'_> {
             spin,
             oversubscribed,
         };
-        let backend = NativeBackend::world(engine, members, rank, arena, config.clone());
+        // Subgroups set up arenas of their own where their members share a host (in a job
+        // over several hosts too): only where arenas exist and are not turned off.
+        let recipe = (cfg!(target_os = "linux") && arena_cfg.enabled).then(|| {
+            Arc::new(ArenaRecipe {
+                store: store.clone(),
+                cfg: arena_cfg,
+            })
+        });
+        let backend = NativeBackend::world(engine, members, rank, (arena, recipe), config.clone());
         Ok((backend, state))
+    }
+}
+
+/// What a subgroup's arena is set up with: the world's store and arena settings.
+pub(crate) struct ArenaRecipe {
+    store: PrefixStore,
+    cfg: ArenaConfig,
+}
+
+/// Sets up the arena of subgroup `b` at its first collective `op`: every member says it is
+/// there and waits for the others (naming a member that died or never came, within `timeout`),
+/// then all agree through the store as the world did at init. `None` when some member has a
+/// link to another that is not shared memory.
+pub(super) fn subgroup_arena(
+    b: &NativeBackend,
+    recipe: &ArenaRecipe,
+    op: &'static str,
+    timeout: Duration,
+) -> Result<Option<Arc<Arena>>> {
+    let store = PrefixStore::new(&format!("group{}", b.ctx), Arc::new(recipe.store.clone()));
+    await_members(b, &store, op, timeout)?;
+    let me = b.members[b.rank];
+    let all_shm = b
+        .members
+        .iter()
+        .all(|&m| m == me || b.engine.link_kind(m) == LinkKind::Shm);
+    let made = arena::establish(&store, b.rank, b.members.clone(), all_shm, &recipe.cfg)?;
+    tracing::info!(
+        target: "distcomm::init",
+        rank = me,
+        members = ?b.members,
+        arena = made.is_some(),
+        "subgroup set up {}",
+        if made.is_some() { "its shared-memory arena" } else { "without an arena" }
+    );
+    Ok(made)
+}
+
+/// Marks this member present in `store` and waits until every member is, so that the set-up
+/// that follows cannot wait on a member that is gone: a missing member found lost is named at
+/// once (one that came and left since is not: what it left here still counts), one that never
+/// comes when `timeout` has passed.
+fn await_members(
+    b: &NativeBackend,
+    store: &PrefixStore,
+    op: &'static str,
+    timeout: Duration,
+) -> Result<()> {
+    let keys: Vec<String> = (0..b.size()).map(|r| format!("here/{r}")).collect();
+    store.set(&keys[b.rank], b"1")?;
+    let mut missing: Vec<usize> = (0..b.size()).filter(|&r| r != b.rank).collect();
+    let start = Instant::now();
+    let mut nap = Duration::from_micros(50);
+    loop {
+        let mut still = Vec::with_capacity(missing.len());
+        for r in missing {
+            if !store.check(&[&keys[r]])? {
+                still.push(r);
+            }
+        }
+        missing = still;
+        let Some(&first) = missing.first() else {
+            return Ok(());
+        };
+        for &r in &missing {
+            if let Some(reason) = b.engine.peer_failure(b.members[r]) {
+                return Err(Error::PeerLost {
+                    op,
+                    rank: b.rank,
+                    peer: r,
+                    reason,
+                });
+            }
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::Timeout {
+                op,
+                rank: b.rank,
+                peer: Some(first),
+                after: timeout,
+            });
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(5));
     }
 }

@@ -1,4 +1,5 @@
-//! Setting up the world group's arena through the rendezvous store: rank 0 creates the region
+//! Setting up a group's arena through the rendezvous store (the world's at init, a subgroup's
+//! at its first collective, in a store namespace of its own): rank 0 creates the region
 //! when every rank's links are shared memory, every rank maps it, and cross-memory copies are
 //! tried between every pair (direct steps, see `direct.rs`).
 
@@ -10,8 +11,8 @@ use super::{arena_len, Arena, ArenaConfig, MAGIC, OFF_MAGIC};
 use crate::error::Result;
 use crate::transport::shm::Region;
 
-/// Sets up the world group's arena through the store, if every rank says all its links are
-/// shared memory. All ranks agree on the outcome (rank 0 decides and announces it).
+/// Sets up a group's arena through the store, if every member says all its links to the others
+/// are shared memory. All ranks agree on the outcome (rank 0 decides and announces it).
 pub(crate) fn establish(
     store: &dyn crate::rendezvous::Store,
     me: usize,

@@ -141,6 +141,30 @@ fn bench_collectives_on_every_element_type() {
 }
 
 #[test]
+fn bench_runs_in_subgroups() {
+    // Two groups of two ranks at once, each verifying every collective in its group.
+    let stdout = run_ok(&["bench", "all", "--sizes", "1K", "-n", "4", "--group", "2"]);
+    assert!(
+        stdout.contains("world 2") && stdout.contains("2 groups of 2"),
+        "{stdout}"
+    );
+    for op in ["all_reduce", "broadcast", "all_to_all", "stream"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!(" {op} ")))
+            .unwrap_or_else(|| panic!("no {op} line: {stdout}"));
+        assert!(line.ends_with("ok"), "{line}");
+    }
+    let out = distcomm()
+        .args(["bench", "barrier", "-n", "4", "--group", "3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no multiple of 3"), "{stderr}");
+}
+
+#[test]
 fn unknown_suites_and_element_types_list_the_accepted_ones() {
     for (args, listed) in [
         (&["bench", "allreduce"][..], "all_reduce, broadcast"),

@@ -151,6 +151,11 @@ pub struct BenchArgs {
     /// 16 bits through the shared-memory arena, as f32 over the network).
     #[arg(long, default_value = "f32")]
     dtype: ElemType,
+    /// Run every suite in subgroups of K consecutive ranks at once (as tensor- or
+    /// data-parallel groups are), each group on its own; the figures are those of rank 0's
+    /// group. The world must be a multiple of K.
+    #[arg(long, value_name = "K")]
+    group: Option<usize>,
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -179,7 +184,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if !distcomm::env::JobEnv::present() {
         return self_launch(&args);
     }
-    let group = distcomm::init()?;
+    let world = distcomm::init()?;
+    let sub = match args.group {
+        None => None,
+        Some(k) if k >= 1 && world.size() % k == 0 => {
+            let first = world.rank() / k * k;
+            let mine: Vec<usize> = (first..first + k).collect();
+            Some(world.subgroup(&mine)?)
+        }
+        Some(k) => {
+            return Err(Error::Config(format!(
+                "bench --group {k}: the world of {} ranks is no multiple of {k}",
+                world.size()
+            )))
+        }
+    };
+    let group = sub.as_ref().unwrap_or(&world);
     let sizes = match (&args.sizes, args.quick) {
         (Some(s), _) => s.clone(),
         (None, true) => vec![8, 4096, 1 << 20],
@@ -196,7 +216,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.suite.name()
         )));
     }
-    let lead = group.rank() == 0;
+    let lead = world.rank() == 0;
     let bar = if lead {
         let steps = suites.iter().filter(|s| s.sized()).count() * sizes.len() + 1;
         let b = indicatif::ProgressBar::new(steps as u64);
@@ -228,6 +248,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     if lead {
         say(format!("# {}", title.line()));
+        if let Some(k) = args.group {
+            say(format!(
+                "# in {} groups of {k} ranks at once; figures of the group of world rank 0",
+                world.size() / k
+            ));
+        }
         if args.suite == Suites::One(Suite::Staging) {
             say(staging::NOTE.into());
         }
@@ -249,9 +275,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         };
         for &size in sizes {
             bar.set_message(format!("{} {size} B", suite.name()));
-            let recs = run_size(&group, &args, suite, size)?;
-            group.barrier()?;
-            for rec in recs {
+            let recs = run_size(group, &args, suite, size)?;
+            world.barrier()?;
+            // Every group's rank 0 has records: the lead's group speaks for all.
+            for rec in recs.into_iter().filter(|_| lead) {
                 say(row(&rec, if check { "ok" } else { "skip" }));
                 records.push(rec);
             }

@@ -363,6 +363,40 @@ pub fn direct_scatter(n: usize, r: usize, root: usize, block: usize) -> Schedule
     vec![round]
 }
 
+/// Blocks of the binomial tree's subtree rooted at virtual rank `v` (ranks counted from the
+/// root) among `n`: `v` itself and the ranks below it, `v .. v + subtree(n, v)`.
+pub fn subtree(n: usize, v: usize) -> usize {
+    if v == 0 {
+        n
+    } else {
+        (v & v.wrapping_neg()).min(n - v)
+    }
+}
+
+/// Binomial-tree scatter of `block` elements per rank from `root`: ⌈log₂ n⌉ rounds, the root
+/// sending ⌈log₂ n⌉ messages instead of n − 1 (each rank relays its subtree's blocks). Every
+/// rank works in a buffer of [`subtree`]`(n, v)` blocks in *virtual* order (`v = (r − root) mod
+/// n`): the root's holds all n, block `v` for rank `(v + root) mod n`; a rank's own block ends
+/// first in its buffer.
+pub fn binomial_scatter(n: usize, r: usize, root: usize, block: usize) -> Schedule {
+    let v = (r + n - root) % n;
+    let real = |x: usize| (x + root) % n;
+    let rounds = log2_ceil(n);
+    (0..rounds)
+        .map(|j| {
+            let mask = 1 << (rounds - 1 - j);
+            if v & ((mask << 1) - 1) == 0 && v + mask < n {
+                let len = subtree(n, v + mask) * block;
+                vec![send(real(v + mask), mask * block..mask * block + len)]
+            } else if v != 0 && v & v.wrapping_neg() == mask {
+                vec![recv(real(v - mask), 0..subtree(n, v) * block, false)]
+            } else {
+                vec![]
+            }
+        })
+        .collect()
+}
+
 /// All-to-all with per-peer counts: rank `r` sends `send[i]` (a range of its input) to rank `i`
 /// and receives into `recv[i]` (a range of its output). Own blocks are the caller's to copy.
 pub fn direct_all_to_all(
@@ -550,6 +584,23 @@ mod tests {
             let s: Vec<_> = (0..n).map(|r| binomial_reduce(n, r, root, count)).collect();
             simulate(&s, &mut outs, &ins, add).unwrap();
             prop_assert_eq!(&outs[root], &sum_of(&ins));
+        }
+
+        #[test]
+        fn binomial_scatter_delivers(n in 1usize..12, block in 0usize..5, root_seed: usize) {
+            let root = root_seed % n;
+            let ins = inputs(n, block);
+            let virt = |r: usize| (r + n - root) % n;
+            // The root's buffer holds the blocks in virtual order; each rank ends with its own
+            // first.
+            let all: Vec<i64> = (0..n).flat_map(|v| ins[(v + root) % n].clone()).collect();
+            let mut outs: Vec<Vec<i64>> = (0..n).map(|r| if r == root { all.clone() } else { vec![0; subtree(n, virt(r)) * block] }).collect();
+            let s: Vec<_> = (0..n).map(|r| binomial_scatter(n, r, root, block)).collect();
+            simulate(&s, &mut outs, &ins, add).unwrap();
+            for r in 0..n { prop_assert_eq!(&outs[r][..block], &ins[r][..]); }
+            // The root talks to ⌈log₂ n⌉ ranks.
+            let talks = s[root].iter().flatten().count();
+            prop_assert_eq!(talks, (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize);
         }
 
         #[test]

@@ -36,6 +36,45 @@ fn arena_collectives_in_small_slots() {
     );
 }
 
+/// Large all_reduces (from 4 MiB, ranks not outnumbering cores: world 2 here) take two direct
+/// steps: every element type's result as the slots give it (integer averages, 16-bit floats
+/// rounded once), lengths that do not divide among the ranks, and an operator that differs
+/// between ranks is a desync on every rank, not a hang or a wrong result.
+#[test]
+fn arena_direct_all_reduce() {
+    run_native("arena_direct_all_reduce", &[2, 3], |g: &ProcessGroup| {
+        if g.transport() != "shm" {
+            return;
+        }
+        let (n, r) = (g.size(), g.rank());
+        let len = (4 << 20) / 4 + 7;
+        let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
+        let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+        g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
+        assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
+        let mut ints = vec![10 * (r as i64 + 1); (4 << 20) / 8 + 3];
+        g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
+        let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
+        assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
+        let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (4 << 20) / 2 + 1];
+        g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
+        let exact: f32 = (1..=n)
+            .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
+            .sum();
+        let want = bf16::from_f32(exact);
+        assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
+        let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
+        let mut y = vec![1f32; 1 << 20];
+        let t = std::time::Instant::now();
+        match g.all_reduce(&mut y, op) {
+            Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+            other => panic!("rank {r}: expected a desync, got {other:?}"),
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    });
+}
+
 /// A subgroup whose members share a host sets up an arena of its own at its first collective
 /// and gets the same results and desync detection there as the world (here with group ranks
 /// that are not the global ones: the last ranks in reverse), while a group of one beside it

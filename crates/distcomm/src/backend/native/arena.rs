@@ -56,7 +56,7 @@ use crate::reduce::{ReduceOp, Reducible};
 use crate::transport::shm::Region;
 use crate::transport::tcp::Engine;
 
-pub(crate) use self::direct::Remote;
+pub(crate) use self::direct::{Published, Remote};
 pub(crate) use self::setup::establish;
 pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 

@@ -205,19 +205,32 @@ impl Run<'_> {
         op: ReduceOp,
     ) -> Result<()> {
         let n = self.size();
-        chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
         let fp = call.fingerprint();
         let (timeout, engine) = (self.timeout, &*self.engine);
         // What this rank puts into the shared arena is what it "sends". 16-bit floats go in at
         // their own width; the arena reduces them in f32, divides averages and rounds once.
-        arena
-            .all_reduce(buf, op, None, &fp, T::DTYPE, tag, timeout, engine)
-            .map(|()| {
-                count_sent(size_of_val(buf));
-                if op == ReduceOp::Avg && !T::WIDENS {
-                    T::finish_avg(buf, n);
-                }
-            })
+        let done = if super::intranode::direct_all_reduce_worth_it(arena, size_of_val(buf)) {
+            let algo = "shared-memory arena, direct copies";
+            chose(&call.algo(algo), T::DTYPE, self.rank, n, 2);
+            let s = super::Exchange {
+                op: call.kind.name(),
+                fp: &fp,
+                dtype: T::DTYPE,
+                tag,
+                timeout,
+                engine,
+            };
+            self.direct_all_reduce(arena, &s, buf, op)
+        } else {
+            chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
+            arena.all_reduce(buf, op, None, &fp, T::DTYPE, tag, timeout, engine)
+        };
+        done.map(|()| {
+            count_sent(size_of_val(buf));
+            if op == ReduceOp::Avg && !T::WIDENS {
+                T::finish_avg(buf, n);
+            }
+        })
     }
 
     fn execute_rounds<T: Reducible>(

@@ -12,7 +12,7 @@
 
 use std::mem::{size_of, size_of_val};
 
-use super::arena::{Arena, Exchange, Reads, Remote};
+use super::arena::{Arena, Exchange, Published, Reads, Remote};
 use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::{Call, CallKind};
@@ -132,6 +132,18 @@ pub(super) const DIRECT_BROADCAST_MAX: usize = 2 << 20;
 /// costs a context switch each: world 4 broadcast 1.15-2.45, all_gather 1.02-1.68).
 pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 
+/// all_reduce takes two direct steps (see [`Run::direct_all_reduce`]) from this many bytes on,
+/// when ranks do not outnumber cores. Measured on 2 ranks, `distcomm bench all_reduce` in
+/// alternating runs (µs, direct against the slots): 4 MiB 955-1063 against 1232-1303, 16 MiB
+/// 4095-4403 against 5341-5738, 64 MiB 23274-26371 against 29831-33079; from 512 KiB to 2 MiB
+/// neither wins beyond the noise (1 MiB 237-316 against 241-399), at 256 KiB the slots do.
+pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 4 << 20;
+
+/// Whether an all_reduce of `bytes` takes the direct steps in `arena`.
+pub(super) fn direct_all_reduce_worth_it(arena: &Arena, bytes: usize) -> bool {
+    arena.direct() && !arena.oversubscribed() && bytes >= DIRECT_ALL_REDUCE_MIN
+}
+
 /// Whether `coll` moves by a direct step in `arena`.
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
     let crowded = arena.oversubscribed();
@@ -217,6 +229,64 @@ fn direct_step(
 }
 
 impl Run<'_> {
+    /// all_reduce by two direct steps of `arena` (`s`: the call): every rank reads its share
+    /// (`chunks(len, n)[me]`) of every other rank's buffer across processes, piece by piece,
+    /// and combines them in rank order into its own buffer; then reads every other rank's
+    /// reduced share into its buffer. Two cross-memory copies of (n − 1)/n of the buffer and
+    /// one pass of reduction per rank, against the slots' copy in, reduction and copy out of
+    /// all of it. A rank only ever writes its own buffer, and only where no other rank reads
+    /// in that step: its share in the first, the others' in the second (each step ends once
+    /// every reader is done). 16-bit floats combine in f32 and round once, as everywhere.
+    pub(super) fn direct_all_reduce<T: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me, name) = (self.size(), self.rank, s.op);
+        let size = size_of::<T>();
+        let shares = crate::algorithms::chunks(buf.len(), n);
+        let whole = Published::of(bytemuck::cast_slice(buf));
+        // Pieces of 32-128 KiB per rank, 256 KiB of scratch in all at most: it stays in the
+        // cache between the copies and the reduction (128 KiB pieces on 2 ranks: 16 MiB
+        // 4271-5522 µs against 4505-6466 in 32 KiB ones, alternating runs).
+        let piece = ((256 << 10) / n).clamp(32 << 10, 128 << 10) / size;
+        let mut scratch: Vec<T> = self.pool.take_len(n * piece);
+        let mine = shares[me].clone();
+        let mut reduce_share = |parts: &[Option<Remote>]| {
+            for at in mine.clone().step_by(piece) {
+                let end = (at + piece).min(mine.end);
+                let len = end - at;
+                for (r, part) in parts.iter().enumerate() {
+                    let dst = &mut scratch[r * piece..r * piece + len];
+                    match part {
+                        Some(part) => part.read(name, at * size, bytemuck::cast_slice_mut(dst))?,
+                        None => copy(dst, &buf[at..end]),
+                    }
+                }
+                let scratch = &scratch;
+                T::reduce_all(&mut buf[at..end], n, &|r| &scratch[r * piece..][..len], op);
+            }
+            Ok(())
+        };
+        let all = (Reads::All, Reads::All);
+        let done = arena.exchange_direct_all(s, all, whole, &mut reduce_share);
+        self.pool.give(scratch);
+        done?;
+        let mut gather_shares = |parts: &[Option<Remote>]| {
+            for (r, part) in parts.iter().enumerate() {
+                if let Some(part) = part {
+                    let share = shares[r].clone();
+                    let dst = bytemuck::cast_slice_mut(&mut buf[share.clone()]);
+                    part.read(name, share.start * size, dst)?;
+                }
+            }
+            Ok(())
+        };
+        arena.exchange_direct_all(s, all, whole, &mut gather_shares)
+    }
+
     /// Runs `coll` through the arena (its part fits: see [`part_bytes`]; with `direct`, as one
     /// direct step: see [`direct_worth_it`]), in the call's turn.
     pub(super) fn through_arena<T: Reducible>(

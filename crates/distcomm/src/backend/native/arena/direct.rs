@@ -19,6 +19,7 @@
 //! every rank takes direct steps only when all could (`DISTCOMM_SHM_CMA=0` turns them off).
 
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use super::{Arena, Reads, Wait, LINE_DATA};
 use crate::backend::native::Exchange;
@@ -83,9 +84,31 @@ impl Arena {
     pub(crate) fn exchange_direct(
         &self,
         s: &Exchange<'_>,
-        (reads, read_by): (Reads, Reads),
+        reads: (Reads, Reads),
         mine: &[u8],
         get: &mut dyn FnMut(usize, &Remote) -> Result<()>,
+    ) -> Result<()> {
+        let each = &mut |parts: &[Option<Remote>]| {
+            for (r, part) in parts.iter().enumerate() {
+                if let Some(part) = part {
+                    get(r, part)?;
+                }
+            }
+            Ok(())
+        };
+        self.exchange_direct_all(s, reads, Published::of(mine), each)
+    }
+
+    /// [`Arena::exchange_direct`] with every part read at once: `get` gets them indexed by rank
+    /// (`None` for this rank and the ranks not read), and `mine` is only an address and a
+    /// length, so that the caller may change other bytes of the same buffer meanwhile (the
+    /// readers of `mine` never read those).
+    pub(crate) fn exchange_direct_all(
+        &self,
+        s: &Exchange<'_>,
+        (reads, read_by): (Reads, Reads),
+        mine: Published,
+        get: &mut dyn FnMut(&[Option<Remote>]) -> Result<()>,
     ) -> Result<()> {
         let me = self.me;
         let (Some(pids), step) = (&self.pids, self.step.load(Ordering::Acquire)) else {
@@ -102,24 +125,26 @@ impl Arena {
             chained = self.publish(step, w.call);
             self.region
                 .word(data(me))
-                .store(mine.as_ptr() as u64, Ordering::Relaxed);
+                .store(mine.addr, Ordering::Relaxed);
             self.region
                 .word(data(me) + 8)
-                .store(mine.len() as u64, Ordering::Relaxed);
+                .store(mine.len as u64, Ordering::Relaxed);
             self.seq(me, step).store(2 * step + 1, Ordering::Release);
             self.wait_for(reads, step, 2 * step + 1, &w)?;
             self.check_calls(reads, s.op, step, w.call, chained)?;
-            for r in reads.ranks(self.n).filter(|&r| r != me) {
-                let part = Remote {
-                    pid: pids[r],
-                    addr: self.region.word(data(r)).load(Ordering::Relaxed),
-                    len: usize::try_from(self.region.word(data(r) + 8).load(Ordering::Relaxed))
-                        .unwrap_or(usize::MAX),
-                    owner: r,
-                    reader: me,
-                };
-                get(r, &part)?;
-            }
+            let parts: Vec<Option<Remote>> = (0..self.n)
+                .map(|r| {
+                    (r != me && reads.ranks(self.n).contains(&r)).then(|| Remote {
+                        pid: pids[r],
+                        addr: self.region.word(data(r)).load(Ordering::Relaxed),
+                        len: usize::try_from(self.region.word(data(r) + 8).load(Ordering::Relaxed))
+                            .unwrap_or(usize::MAX),
+                        owner: r,
+                        reader: me,
+                    })
+                })
+                .collect();
+            get(&parts).map_err(|e| self.copy_failed(e, reads, &w))?;
             // A rank that gave up broke the arena before its caller could touch its part again:
             // what we copied is only good if nobody has.
             if !self.usable() {
@@ -132,6 +157,45 @@ impl Arena {
             self.check_calls(read_by, s.op, step, w.call, chained)
         });
         self.end_step(step, chained, done)
+    }
+
+    /// The error of a direct step whose copies failed with `e`: a read rank whose process went
+    /// away during the copy fails it, and that is its loss (the peer-lost error naming it, once
+    /// the engine learnt of it from its connection, moments later), else `e` as it is.
+    fn copy_failed(&self, e: Error, reads: Reads, w: &Wait<'_>) -> Error {
+        let until = Instant::now() + LOSS_NOTICE;
+        loop {
+            for r in reads.ranks(self.n).filter(|&r| r != self.me) {
+                if let Some(reason) = w.engine.peer_failure(self.global(r)) {
+                    return self.lost(w.op, r, reason);
+                }
+            }
+            if Instant::now() >= until {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// How long a failed copy waits for the engine to learn of a read rank's loss.
+const LOSS_NOTICE: Duration = Duration::from_millis(200);
+
+/// Where this rank's part of a direct step lies: published as a number, read by the other
+/// ranks through the kernel, never dereferenced here.
+#[derive(Clone, Copy)]
+pub(crate) struct Published {
+    addr: u64,
+    len: usize,
+}
+
+impl Published {
+    /// The part `bytes`.
+    pub(crate) fn of(bytes: &[u8]) -> Published {
+        Published {
+            addr: bytes.as_ptr() as u64,
+            len: bytes.len(),
+        }
     }
 }
 

@@ -49,7 +49,11 @@ fn widened<T: Reducible>(bytes: usize) -> usize {
 /// Whether a reduce whose part is `part` bytes takes one exchange step (else it goes the way
 /// of all_reduce).
 fn one_step_reduce(part: usize, arena: &Arena) -> bool {
-    part <= REDUCE_MAX.min(arena.slot_bytes())
+    let max = match arena.oversubscribed() {
+        true => OVERSUBSCRIBED_MAX,
+        false => REDUCE_MAX,
+    };
+    part <= max.min(arena.slot_bytes())
 }
 
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
@@ -60,12 +64,14 @@ fn one_step_reduce(part: usize, arena: &Arena) -> bool {
 /// broadcast 7.9-15.4 ms against 20.6-29.2, all_gather 15.5 against 17.9-25.4; world 4 on 2
 /// cores, 16 MiB: broadcast 6.2-6.9 against 9.5-16.4, all_gather 6.3-7.8 against 10.7-10.8).
 pub(super) const PART_MAX: usize = 1 << 20;
-/// Reduce in one exchange step up to this part: the root alone combines every part (1 MiB,
-/// world 2: 1.54x the binomial tree's time; 64 KiB: 0.12x). Larger ones go the way of
-/// all_reduce, every rank reducing its share and only the root copying the result out (world
-/// 2, arena against the tree: 4 MiB 462-504 us against 681-683, 16 MiB 3.6-3.8 ms against
-/// 5.1-5.8; world 4 on 2 cores, 16 MiB 8.2 ms against 14.5-15.3).
-pub(super) const REDUCE_MAX: usize = 64 << 10;
+/// Reduce in one exchange step up to this part: the root alone combines every part (64 KiB,
+/// world 2: 0.12x the binomial tree's time). Larger ones go the way of all_reduce, every rank
+/// reducing its share and only the root copying the result out (world 2, arena against the
+/// tree: 4 MiB 462-504 us against 681-683, 16 MiB 3.6-3.8 ms against 5.1-5.8; world 4 on 2
+/// cores, 16 MiB 8.2 ms against 14.5-15.3). One step against that way (`scripts/ab.py`, world
+/// 2, 4 pairs): 128 KiB 0.53x, 256 KiB 0.46x, 512 KiB 0.77x, 1 MiB 0.98x the time. When ranks
+/// outnumber cores, one step only up to [`OVERSUBSCRIBED_MAX`].
+pub(super) const REDUCE_MAX: usize = 512 << 10;
 /// Parts of scatter, reduce and reduce_scatter up to this many bytes take the arena when ranks
 /// outnumber cores (at 1 MiB every rank waits for the slowest to be scheduled; at 64 KiB
 /// 0.07x-0.60x the schedules' time).

@@ -124,19 +124,24 @@ const PIECE_MIN: usize = 64 << 10;
 /// cross-memory copy, see `arena/direct.rs`) where the arena takes them and each block a rank
 /// copies has at least this many bytes; below, the slots' two copies cost less than the system
 /// call and the wait for the readers. Measured with `scripts/ab.py` against the slots (world 2,
-/// 2 pairs, new / old time): blocks of 32 KiB 0.92-1.22, 128 KiB 0.70-0.78, 512 KiB 0.44-0.91,
-/// 8-32 MiB 0.49-0.85.
-pub(super) const DIRECT_MIN: usize = 64 << 10;
+/// 4 pairs, new / old time): blocks of 4 KiB 1.20-1.59, 8 KiB 0.88-0.98, 16 KiB 0.63-0.74,
+/// 32 KiB 0.46-0.87 (all_gather, all_to_all, scatter, broadcast); an earlier machine of the
+/// same kind gave 0.92-1.22 for 32 KiB blocks, 0.70-0.78 for 128 KiB, 0.44-0.91 for 512 KiB.
+/// When ranks outnumber cores, scatter from [`OVERSUBSCRIBED_SCATTER_MIN`].
+pub(super) const DIRECT_MIN: usize = 16 << 10;
 /// A broadcast takes direct steps up to this size: beyond, the root copying pieces in while the
 /// readers copy the previous ones out (both cores at work) moves more than one cross-memory copy
 /// (world 2, 3 pairs: 1 MiB 0.55 the slots' time, 2 MiB 0.93, 4 MiB 1.26, 16 MiB 1.39).
 pub(super) const DIRECT_BROADCAST_MAX: usize = 2 << 20;
 /// When ranks outnumber cores, gather and all_to_all take direct steps only from blocks this
 /// large (world 4 on 2 cores: all_to_all 256 KiB blocks 1.45 the slots' time, 4 MiB 0.66; gather
-/// 64 KiB 1.26, world 3 gather 340 KiB 1.15, world 4 4 MiB 0.72), scatter from [`DIRECT_MIN`]
+/// 64 KiB 1.26, world 3 gather 340 KiB 1.15, world 4 4 MiB 0.72), scatter from 64 KiB
 /// (0.21-0.96 from 64 KiB), broadcast and all_gather never (a root that waits for its readers
 /// costs a context switch each: world 4 broadcast 1.15-2.45, all_gather 1.02-1.68).
 pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
+/// When ranks outnumber cores, scatter takes direct steps from blocks this large (see
+/// [`OVERSUBSCRIBED_DIRECT_MIN`]; smaller blocks were not measured there).
+pub(super) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
 
 /// all_reduce takes two direct steps (see [`Run::direct_all_reduce`]) from this many bytes on,
 /// when ranks do not outnumber cores. Measured on 2 ranks, `distcomm bench all_reduce` in
@@ -163,6 +168,7 @@ pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool 
             (buf.len(), DIRECT_MIN)
         }
         Coll::AllGather(input, _) if !crowded => (input.len(), DIRECT_MIN),
+        Coll::Scatter(_, out, _) if crowded => (out.len(), OVERSUBSCRIBED_SCATTER_MIN),
         Coll::Scatter(_, out, _) => (out.len(), DIRECT_MIN),
         Coll::Gather(input, ..) => (input.len(), crowded_min),
         Coll::AllToAll((input, _), _) => (input.len() / n.max(1), crowded_min),

@@ -37,9 +37,10 @@ fn arena_collectives_in_small_slots() {
 }
 
 /// Large all_reduces (from 4 MiB, ranks not outnumbering cores: world 2 here) take two direct
-/// steps: every element type's result as the slots give it (integer averages, 16-bit floats
-/// rounded once), lengths that do not divide among the ranks, and an operator that differs
-/// between ranks is a desync on every rank, not a hang or a wrong result.
+/// steps, reduces on two ranks one: every element type's result as the slots give it (integer
+/// averages, 16-bit floats rounded once), lengths that do not divide among the ranks, a reduce
+/// leaves the other ranks' buffers as they were, and an operator that differs between ranks
+/// is a desync on every rank, not a hang or a wrong result.
 #[test]
 fn arena_direct_all_reduce() {
     run_native("arena_direct_all_reduce", &[2, 3], |g: &ProcessGroup| {
@@ -64,6 +65,24 @@ fn arena_direct_all_reduce() {
             .sum();
         let want = bf16::from_f32(exact);
         assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
+        // A reduce (on two ranks a direct step from 32 KiB): the root gets the result, the
+        // others' buffers stay as they were.
+        let mut z: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+        g.reduce(&mut z, n - 1, ReduceOp::Max).unwrap();
+        let want = |i: usize| match r == n - 1 {
+            true => (0..n).map(|q| val(q, i)).fold(f32::MIN, f32::max),
+            false => val(r, i),
+        };
+        let bad = (0..len).find(|&i| z[i] != want(i));
+        assert_eq!(bad, None, "rank {r}: reduce differs at element {bad:?}");
+        let mut small = vec![(r + 1) as i64; 5000];
+        g.reduce(&mut small, 0, ReduceOp::Sum).unwrap();
+        let want = if r == 0 {
+            (n * (n + 1) / 2) as i64
+        } else {
+            1 + r as i64
+        };
+        assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
         let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
         let mut y = vec![1f32; 1 << 20];
         let t = std::time::Instant::now();

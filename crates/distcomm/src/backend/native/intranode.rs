@@ -144,15 +144,32 @@ pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 pub(super) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
 
 /// all_reduce takes two direct steps (see [`Run::direct_all_reduce`]) from this many bytes on,
-/// when ranks do not outnumber cores. Measured on 2 ranks, `distcomm bench all_reduce` in
-/// alternating runs (µs, direct against the slots): 4 MiB 955-1063 against 1232-1303, 16 MiB
-/// 4095-4403 against 5341-5738, 64 MiB 23274-26371 against 29831-33079; from 512 KiB to 2 MiB
-/// neither wins beyond the noise (1 MiB 237-316 against 241-399), at 256 KiB the slots do.
-pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 4 << 20;
+/// when ranks do not outnumber cores. Measured on 2 ranks, `scripts/ab.py` against the slots
+/// (4 pairs, direct / slots time): 128 KiB 1.16, 256 KiB 1.08, 512 KiB 1.00, 1 MiB 0.97,
+/// 2 MiB 0.71; and in alternating runs (µs) 4 MiB 707-757 against 829-862, 16 MiB 3542-4636
+/// against 3997-4476, 64 MiB 23443-25938 against 24829-26673.
+pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 2 << 20;
 
 /// Whether an all_reduce of `bytes` takes the direct steps in `arena`.
 pub(super) fn direct_all_reduce_worth_it(arena: &Arena, bytes: usize) -> bool {
     arena.direct() && !arena.oversubscribed() && bytes >= DIRECT_ALL_REDUCE_MIN
+}
+
+/// A reduce on two ranks takes a direct step (see [`Run::direct_reduce`]) from this many
+/// bytes, when ranks do not outnumber cores, for every type but the 16-bit floats (which
+/// combine in f32 through scratch). Measured on 2 ranks, `distcomm bench reduce` in alternating
+/// runs (µs, direct against the slots): 8 KiB 2.8-3.0 against 2.0-2.3, 16 KiB 3.9-4.1 against
+/// 3.5-4.1, 32 KiB 5.2-6.3 against 6.3-7.6, 64 KiB 8.8-10.4 against 11.3-14.1, 256 KiB
+/// 27-33 against 39-45, 1 MiB 130-169 against 233-250, 4 MiB 715-775 against 1124-1471,
+/// 16 MiB 1839-2146 against 4313-6028, 64 MiB 14238-14847 against 26908-33059. (With the
+/// root's own part copied to scratch and combined through `reduce_all`, as more ranks need, it
+/// was no faster than the slots; more ranks were not measured here, where they outnumber the
+/// cores.)
+pub(super) const DIRECT_REDUCE_MIN: usize = 32 << 10;
+
+/// Whether a reduce of `bytes` of `T` on `n` ranks takes a direct step.
+fn direct_reduce_worth_it<T: Reducible>(arena: &Arena, n: usize, bytes: usize) -> bool {
+    n == 2 && !T::WIDENS && arena.direct() && !arena.oversubscribed() && bytes >= DIRECT_REDUCE_MIN
 }
 
 /// Whether `coll` moves by a direct step in `arena`.
@@ -240,7 +257,88 @@ fn direct_step(
     }
 }
 
+/// Elements of a piece of [`reduce_from`] on `n` ranks: 32-128 KiB per rank, 256 KiB of
+/// scratch in all at most, so that it stays in the cache between the copies and the reduction
+/// (128 KiB pieces on 2 ranks: 16 MiB all_reduce 4271-5522 µs against 4505-6466 in 32 KiB
+/// ones, alternating runs).
+fn reduce_piece<T>(n: usize) -> usize {
+    ((256 << 10) / n.max(1)).clamp(32 << 10, 128 << 10) / size_of::<T>().max(1)
+}
+
+/// Combines the elements `range` of every rank's buffer into `buf[range]`, in rank order,
+/// piece by piece: the other ranks' from `parts` (copied across processes into `scratch`, `n`
+/// pieces of `piece` elements), this rank's (the one `parts` has no part for) from `buf`.
+/// Two ranks combine straight into `buf` (`a op b` is `b op a` for every operator, so this is
+/// rank order too), except 16-bit floats, which combine in f32 through `reduce_all`.
+fn reduce_from<T: Reducible>(
+    parts: &[Option<Remote>],
+    (buf, range): (&mut [T], std::ops::Range<usize>),
+    (scratch, piece): (&mut [T], usize),
+    (op, name): (ReduceOp, &'static str),
+) -> Result<()> {
+    let (n, size) = (parts.len(), size_of::<T>());
+    let pair = n == 2 && !T::WIDENS;
+    for at in range.clone().step_by(piece.max(1)) {
+        let end = (at + piece).min(range.end);
+        let len = end - at;
+        if pair {
+            if let Some(part) = parts.iter().flatten().next() {
+                let dst = &mut scratch[..len];
+                part.read(name, at * size, bytemuck::cast_slice_mut(dst))?;
+                T::reduce_into(&mut buf[at..end], dst, op);
+            }
+            continue;
+        }
+        for (r, part) in parts.iter().enumerate() {
+            let dst = &mut scratch[r * piece..r * piece + len];
+            match part {
+                Some(part) => part.read(name, at * size, bytemuck::cast_slice_mut(dst))?,
+                None => copy(dst, &buf[at..end]),
+            }
+        }
+        let scratch = &*scratch;
+        T::reduce_all(&mut buf[at..end], n, &|r| &scratch[r * piece..][..len], op);
+    }
+    Ok(())
+}
+
 impl Run<'_> {
+    /// reduce by one direct step of `arena` (`s`: the call): the root reads every other rank's
+    /// buffer across processes, piece by piece, and combines them with its own in rank order
+    /// into its buffer; the others publish theirs and return once the root is done. One
+    /// cross-memory copy of each other buffer and one pass of reduction (on two ranks straight
+    /// into the root's buffer), against the slots' copy in of every part and the root's
+    /// reduction out of them. Averages of other types than 16-bit floats: the caller divides.
+    fn direct_reduce<T: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        (buf, op): (&mut [T], ReduceOp),
+        root: usize,
+    ) -> Result<()> {
+        let n = self.size();
+        if self.rank != root {
+            let mine = Published::of(bytemuck::cast_slice(buf));
+            let reads = (Reads::Nobody, Reads::Rank(root));
+            return arena.exchange_direct_all(s, reads, mine, &mut |_| Ok(()));
+        }
+        let piece = reduce_piece::<T>(n);
+        let mut scratch: Vec<T> = self.pool.take_len(n * piece);
+        let whole = 0..buf.len();
+        let mut reduce = |parts: &[Option<Remote>]| {
+            reduce_from(
+                parts,
+                (&mut *buf, whole.clone()),
+                (&mut scratch, piece),
+                (op, s.op),
+            )
+        };
+        let reads = (Reads::All, Reads::Nobody);
+        let done = arena.exchange_direct_all(s, reads, Published::of(&[]), &mut reduce);
+        self.pool.give(scratch);
+        done
+    }
+
     /// all_reduce by two direct steps of `arena` (`s`: the call): every rank reads its share
     /// (`chunks(len, n)[me]`) of every other rank's buffer across processes, piece by piece,
     /// and combines them in rank order into its own buffer; then reads every other rank's
@@ -260,27 +358,16 @@ impl Run<'_> {
         let size = size_of::<T>();
         let shares = crate::algorithms::chunks(buf.len(), n);
         let whole = Published::of(bytemuck::cast_slice(buf));
-        // Pieces of 32-128 KiB per rank, 256 KiB of scratch in all at most: it stays in the
-        // cache between the copies and the reduction (128 KiB pieces on 2 ranks: 16 MiB
-        // 4271-5522 µs against 4505-6466 in 32 KiB ones, alternating runs).
-        let piece = ((256 << 10) / n).clamp(32 << 10, 128 << 10) / size;
+        let piece = reduce_piece::<T>(n);
         let mut scratch: Vec<T> = self.pool.take_len(n * piece);
         let mine = shares[me].clone();
         let mut reduce_share = |parts: &[Option<Remote>]| {
-            for at in mine.clone().step_by(piece) {
-                let end = (at + piece).min(mine.end);
-                let len = end - at;
-                for (r, part) in parts.iter().enumerate() {
-                    let dst = &mut scratch[r * piece..r * piece + len];
-                    match part {
-                        Some(part) => part.read(name, at * size, bytemuck::cast_slice_mut(dst))?,
-                        None => copy(dst, &buf[at..end]),
-                    }
-                }
-                let scratch = &scratch;
-                T::reduce_all(&mut buf[at..end], n, &|r| &scratch[r * piece..][..len], op);
-            }
-            Ok(())
+            reduce_from(
+                parts,
+                (&mut *buf, mine.clone()),
+                (&mut scratch, piece),
+                (op, name),
+            )
         };
         let all = (Reads::All, Reads::All);
         let done = arena.exchange_direct_all(s, all, whole, &mut reduce_share);
@@ -309,7 +396,9 @@ impl Run<'_> {
         (coll, direct): (Coll<'_>, bool),
     ) -> Result<()> {
         let (n, me) = (self.size(), self.rank);
-        let algo = match direct {
+        let direct_reduce = matches!(&coll, Coll::Reduce(buf, ..)
+            if direct_reduce_worth_it::<T>(arena, n, buf.len()));
+        let algo = match direct || direct_reduce {
             true => "shared-memory arena, direct copies",
             false => "shared-memory arena",
         };
@@ -423,6 +512,14 @@ impl Run<'_> {
             }
             Coll::Reduce(buf, root, op) => {
                 let buf = crate::backend::typed_mut::<T>(s.op, buf)?;
+                if direct_reduce {
+                    count_sent(size_of_val(buf));
+                    self.direct_reduce(arena, &s, (&mut *buf, op), root)?;
+                    if me == root && op == ReduceOp::Avg && !T::WIDENS {
+                        T::finish_avg(buf, n);
+                    }
+                    return Ok(());
+                }
                 if !one_step_reduce(widened::<T>(size_of_val(buf)), arena) {
                     // Larger: every rank reduces its share, as all_reduce does.
                     count_sent(size_of_val(buf));

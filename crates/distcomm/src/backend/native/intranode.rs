@@ -268,8 +268,10 @@ fn reduce_piece<T>(n: usize) -> usize {
 /// Combines the elements `range` of every rank's buffer into `buf[range]`, in rank order,
 /// piece by piece: the other ranks' from `parts` (copied across processes into `scratch`, `n`
 /// pieces of `piece` elements), this rank's (the one `parts` has no part for) from `buf`.
-/// Two ranks combine straight into `buf` (`a op b` is `b op a` for every operator, so this is
-/// rank order too), except 16-bit floats, which combine in f32 through `reduce_all`.
+/// Two ranks combine straight into `buf` (`a op b` equals `b op a` for every operator, so the
+/// values are rank order's; only the sign of a zero from Min/Max, or which NaN payload a sum of
+/// two NaNs keeps, may differ), except 16-bit floats, which combine in f32 through
+/// `reduce_all`. Every rank gets the same bits either way: each element is combined once.
 fn reduce_from<T: Reducible>(
     parts: &[Option<Remote>],
     (buf, range): (&mut [T], std::ops::Range<usize>),

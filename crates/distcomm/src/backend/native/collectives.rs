@@ -212,14 +212,7 @@ impl Run<'_> {
         let done = if super::intranode::direct_all_reduce_worth_it(arena, size_of_val(buf)) {
             let algo = "shared-memory arena, direct copies";
             chose(&call.algo(algo), T::DTYPE, self.rank, n, 2);
-            let s = super::Exchange {
-                op: call.kind.name(),
-                fp: &fp,
-                dtype: T::DTYPE,
-                tag,
-                timeout,
-                engine,
-            };
+            let s = self.exchange::<T>(call, &fp, tag);
             self.direct_all_reduce(arena, &s, buf, op)
         } else {
             chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);

@@ -305,6 +305,23 @@ fn reduce_from<T: Reducible>(
 }
 
 impl Run<'_> {
+    /// The arena's view of `call` (fingerprint `fp`, sequence number `tag`) on `T`.
+    pub(super) fn exchange<'a, T: Reducible>(
+        &'a self,
+        call: &Call,
+        fp: &'a crate::call::Fingerprint,
+        tag: u32,
+    ) -> Exchange<'a> {
+        Exchange {
+            op: call.kind.name(),
+            fp,
+            dtype: T::DTYPE,
+            tag,
+            timeout: self.timeout,
+            engine: &self.engine,
+        }
+    }
+
     /// reduce by one direct step of `arena` (`s`: the call): the root reads every other rank's
     /// buffer across processes, piece by piece, and combines them with its own in rank order
     /// into its buffer; the others publish theirs and return once the root is done. One
@@ -406,14 +423,7 @@ impl Run<'_> {
         };
         chose(&call.algo(algo), T::DTYPE, me, n, 1);
         let fp = call.fingerprint();
-        let s = Exchange {
-            op: call.kind.name(),
-            fp: &fp,
-            dtype: T::DTYPE,
-            tag,
-            timeout: self.timeout,
-            engine: &self.engine,
-        };
+        let s = self.exchange::<T>(call, &fp, tag);
         if direct {
             return direct_step(arena, &s, call.kind, me, n, coll);
         }

@@ -33,12 +33,19 @@ use crate::work::{wait_all, Pending, Work};
 // Size thresholds (bytes) for choosing algorithms; see `distcomm bench` and the README for
 // how they were measured. Overridable by environment variables (`crate::config`).
 
-/// all_reduce switches from recursive doubling to the ring at this many bytes (twice this on
-/// two ranks, where the ring's extra round costs more than its halved messages save, and on
-/// other powers of two, where [`HALVING_DOUBLING_MIN`] takes over before it). Measured
-/// with `DISTCOMM_ALL_REDUCE_RING_MIN=1` vs `=1000000000 distcomm bench all_reduce` on this 2-core
-/// VM: world 2 crosses between 256 KiB and 1 MiB, world 4 between 64 KiB and 256 KiB.
+/// all_reduce switches from recursive doubling to the ring at this many bytes on worlds that
+/// are not powers of two ([`POW2_ALL_REDUCE_RING_MIN`] on the others). Measured with
+/// `DISTCOMM_ALL_REDUCE_RING_MIN=1` vs `=1000000000 distcomm bench all_reduce` on this 2-core
+/// VM: world 3 crosses between 64 KiB and 256 KiB.
 pub const ALL_REDUCE_RING_MIN: usize = 256 * 1024;
+/// [`ALL_REDUCE_RING_MIN`] on worlds that are powers of two, where recursive doubling (two
+/// ranks) or [`HALVING_DOUBLING_MIN`]'s halving + doubling (more) send whole halves at once.
+/// Measured over TCP, the two alternated, 2 runs each (µs): world 2, doubling against ring,
+/// 256 KiB 110-119 against 177-180, 1 MiB 304-322 against 365-372, 2 MiB 606-626 against
+/// 665-723, 4 MiB 1192-1302 against 1240-1351, 8 MiB 3095-3415 against 2795-2978; world 4,
+/// halving + doubling against ring, 256 KiB 647-662 against 821-832, 1 MiB 1807-1914 against
+/// 2228-2237, 4 MiB 5654-5804 against 5132-5393.
+pub const POW2_ALL_REDUCE_RING_MIN: usize = 4 << 20;
 /// The ring all_reduce runs on segments of the buffer one after the other, so that each round
 /// moves at most this many bytes per rank (received, then reduced while still in cache).
 /// Measured with `DISTCOMM_RING_CHUNK_MAX` at 1, 2 and 4 MiB and unbounded, 64 MiB over TCP
@@ -418,7 +425,7 @@ impl Run<'_> {
         }
         drop(turn);
         let ring_min = if n.is_power_of_two() {
-            2 * ALL_REDUCE_RING_MIN
+            POW2_ALL_REDUCE_RING_MIN
         } else {
             ALL_REDUCE_RING_MIN
         };

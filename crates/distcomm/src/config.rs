@@ -32,6 +32,9 @@ pub const HOST: &str = "DISTCOMM_HOST";
 pub const SHM_RING: &str = "DISTCOMM_SHM_RING";
 /// `DISTCOMM_SHM_CMA`: `0` turns cross-memory attach off.
 pub const SHM_CMA: &str = "DISTCOMM_SHM_CMA";
+/// `DISTCOMM_SHM_SHARED_CACHES`: whether the ranks of a host share a core's caches, `1` or
+/// `0`; unset or `auto`, the arena measures it at set-up.
+pub const SHM_SHARED_CACHES: &str = "DISTCOMM_SHM_SHARED_CACHES";
 /// `DISTCOMM_SHM_EAGER_MAX`: largest message sent through the ring, bytes.
 pub const SHM_EAGER_MAX: &str = "DISTCOMM_SHM_EAGER_MAX";
 /// `DISTCOMM_SPIN_US`: how long waiters spin before they sleep, microseconds.
@@ -62,7 +65,7 @@ pub const DEBUG: &str = "DISTCOMM_DEBUG";
 pub const DEBUG_SUBSYS: &str = "DISTCOMM_DEBUG_SUBSYS";
 
 /// Every variable this module reads (the README's environment table lists each).
-pub const VARS: [&str; 22] = [
+pub const VARS: [&str; 23] = [
     BACKEND,
     TIMEOUT,
     SECRET,
@@ -71,6 +74,7 @@ pub const VARS: [&str; 22] = [
     HOST,
     SHM_RING,
     SHM_CMA,
+    SHM_SHARED_CACHES,
     SHM_EAGER_MAX,
     SPIN_US,
     EAGER_MAX,
@@ -175,6 +179,8 @@ pub(crate) struct Config {
     pub host: Option<IpAddr>,
     pub shm_ring: Option<usize>,
     pub shm_cma: bool,
+    /// `None`: measured (`auto`).
+    pub shm_shared_caches: Option<bool>,
     pub shm_eager_max: Option<usize>,
     pub spin: Option<Duration>,
     pub eager_max: Option<usize>,
@@ -330,6 +336,11 @@ impl Reader<'_> {
             host: self.host()?,
             shm_ring: self.bytes(SHM_RING)?,
             shm_cma: self.off_switch(SHM_CMA)?,
+            shm_shared_caches: match self.raw(SHM_SHARED_CACHES) {
+                Some(v) if v.trim().eq_ignore_ascii_case("auto") => None,
+                Some(_) => Some(self.flag(SHM_SHARED_CACHES)?),
+                None => None,
+            },
             shm_eager_max: self.bytes(SHM_EAGER_MAX)?,
             spin: self
                 .u64(SPIN_US, "a whole number of microseconds")?
@@ -394,6 +405,7 @@ mod tests {
             (TRANSPORT, " TCP "),
             (HOST, "10.0.0.7"),
             (SHM_CMA, "0"),
+            (SHM_SHARED_CACHES, "yes"),
             (SHM_ALLREDUCE, "0"),
             (SPIN_US, "50"),
             (EAGER_MAX, " 4096 "),
@@ -412,6 +424,13 @@ mod tests {
         assert_eq!(c.eager_max, Some(4096));
         assert_eq!(c.all_reduce_ring_min, Some(1));
         assert_eq!(c.ring_chunk_max, Some(4099));
+        assert_eq!(c.shm_shared_caches, Some(true));
+        let auto = with(&[(SHM_SHARED_CACHES, " Auto ")]).unwrap();
+        assert_eq!(auto.shm_shared_caches, None);
+        assert_eq!(
+            with(&[(SHM_SHARED_CACHES, "0")]).unwrap().shm_shared_caches,
+            Some(false)
+        );
     }
 
     #[test]
@@ -422,6 +441,7 @@ mod tests {
         assert_eq!(rejected(TIMEOUT, "soon").0, "soon");
         assert!(rejected(STORE_AUTH, "maybe").1.starts_with("1 or 0"));
         assert!(rejected(COMMS_LOG, "verbose").1.starts_with("1 or 0"));
+        assert!(rejected(SHM_SHARED_CACHES, "some").1.starts_with("1 or 0"));
         assert!(rejected(HOST, "node0").1.contains("IP address"));
         assert!(rejected(SPIN_US, "2ms").1.contains("microseconds"));
         assert_eq!(rejected(SHM_CMA, "off").1, OFF_SWITCH);

@@ -11,14 +11,34 @@ use half::bf16;
 /// host over shared memory, parts up to its limit) gives the network path's results, and a root
 /// that differs between ranks is a desync on every rank, at that call or the next that reads
 /// every rank (a dead rank is found by the arena's waiting, tested with all_reduce).
+/// (Ranks on cores of their own, as far as the arena knows: so the mid sizes take direct steps
+/// on any machine.)
 #[test]
 fn arena_collectives_match_and_detect_desync() {
-    run_native(
+    run_native_env(
         "arena_collectives_match_and_detect_desync",
         &[2, 3],
+        &[ON_OWN_CORES],
         arena_collectives,
     );
 }
+
+/// The same where the ranks share a core's caches: the slots carry what direct steps carry on
+/// cores of their own, up to megabytes.
+#[test]
+fn arena_collectives_on_shared_caches() {
+    run_native_env(
+        "arena_collectives_on_shared_caches",
+        &[2],
+        &[("DISTCOMM_SHM_SHARED_CACHES", "1")],
+        arena_collectives,
+    );
+}
+
+/// The arena's setting for ranks on cores of their own (direct steps from small blocks), so
+/// that the tests of those steps take them whatever the arena would measure on the machine
+/// that runs them (two hardware threads of one core share their caches).
+const ON_OWN_CORES: (&str, &str) = ("DISTCOMM_SHM_SHARED_CACHES", "0");
 
 /// The same in slots of 4099 bytes and without cross-memory copies (so no direct steps): parts
 /// in many pieces of an odd size, reduces that do not fit one step.
@@ -43,55 +63,60 @@ fn arena_collectives_in_small_slots() {
 /// is a desync on every rank, not a hang or a wrong result.
 #[test]
 fn arena_direct_all_reduce() {
-    run_native("arena_direct_all_reduce", &[2, 3], |g: &ProcessGroup| {
-        if g.transport() != "shm" {
-            return;
-        }
-        let (n, r) = (g.size(), g.rank());
-        let len = (4 << 20) / 4 + 7;
-        let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
-        let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
-        g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-        let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
-        assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
-        let mut ints = vec![10 * (r as i64 + 1); (4 << 20) / 8 + 3];
-        g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
-        let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
-        assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
-        let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (4 << 20) / 2 + 1];
-        g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
-        let exact: f32 = (1..=n)
-            .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
-            .sum();
-        let want = bf16::from_f32(exact);
-        assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
-        // A reduce (on two ranks a direct step from 32 KiB): the root gets the result, the
-        // others' buffers stay as they were.
-        let mut z: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
-        g.reduce(&mut z, n - 1, ReduceOp::Max).unwrap();
-        let want = |i: usize| match r == n - 1 {
-            true => (0..n).map(|q| val(q, i)).fold(f32::MIN, f32::max),
-            false => val(r, i),
-        };
-        let bad = (0..len).find(|&i| z[i] != want(i));
-        assert_eq!(bad, None, "rank {r}: reduce differs at element {bad:?}");
-        let mut small = vec![(r + 1) as i64; 5000];
-        g.reduce(&mut small, 0, ReduceOp::Sum).unwrap();
-        let want = if r == 0 {
-            (n * (n + 1) / 2) as i64
-        } else {
-            1 + r as i64
-        };
-        assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
-        let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
-        let mut y = vec![1f32; 1 << 20];
-        let t = std::time::Instant::now();
-        match g.all_reduce(&mut y, op) {
-            Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
-            other => panic!("rank {r}: expected a desync, got {other:?}"),
-        }
-        assert!(t.elapsed() < std::time::Duration::from_secs(5));
-    });
+    run_native_env(
+        "arena_direct_all_reduce",
+        &[2, 3],
+        &[ON_OWN_CORES],
+        |g: &ProcessGroup| {
+            if g.transport() != "shm" {
+                return;
+            }
+            let (n, r) = (g.size(), g.rank());
+            let len = (4 << 20) / 4 + 7;
+            let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
+            let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
+            assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
+            let mut ints = vec![10 * (r as i64 + 1); (4 << 20) / 8 + 3];
+            g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
+            let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
+            assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
+            let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (4 << 20) / 2 + 1];
+            g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
+            let exact: f32 = (1..=n)
+                .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
+                .sum();
+            let want = bf16::from_f32(exact);
+            assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
+            // A reduce (on two ranks a direct step from 32 KiB): the root gets the result, the
+            // others' buffers stay as they were.
+            let mut z: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+            g.reduce(&mut z, n - 1, ReduceOp::Max).unwrap();
+            let want = |i: usize| match r == n - 1 {
+                true => (0..n).map(|q| val(q, i)).fold(f32::MIN, f32::max),
+                false => val(r, i),
+            };
+            let bad = (0..len).find(|&i| z[i] != want(i));
+            assert_eq!(bad, None, "rank {r}: reduce differs at element {bad:?}");
+            let mut small = vec![(r + 1) as i64; 5000];
+            g.reduce(&mut small, 0, ReduceOp::Sum).unwrap();
+            let want = if r == 0 {
+                (n * (n + 1) / 2) as i64
+            } else {
+                1 + r as i64
+            };
+            assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
+            let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
+            let mut y = vec![1f32; 1 << 20];
+            let t = std::time::Instant::now();
+            match g.all_reduce(&mut y, op) {
+                Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+                other => panic!("rank {r}: expected a desync, got {other:?}"),
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        },
+    );
 }
 
 /// A subgroup whose members share a host sets up an arena of its own at its first collective
@@ -236,9 +261,10 @@ fn arena_collectives(g: &ProcessGroup) {
 /// its deadline.
 #[test]
 fn arena_direct_steps_detect_desync() {
-    run_native(
+    run_native_env(
         "arena_direct_steps_detect_desync",
         &[2, 3],
+        &[ON_OWN_CORES],
         |g: &ProcessGroup| {
             if g.transport() != "shm" {
                 return;

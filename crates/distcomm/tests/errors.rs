@@ -203,12 +203,12 @@ fn a_dead_rank_is_named_by_every_survivor_of_a_direct_step() {
 
 #[test]
 fn a_dead_rank_is_named_by_every_survivor() {
-    // World 2: the all_reduce takes the arena's direct steps, where the survivor may be
-    // copying from the dead rank's memory as it goes.
+    // World 2: the all_reduce takes the arena's direct steps (as on cores of their own), where
+    // the survivor may be copying from the dead rank's memory as it goes.
     run_native_env(
         "a_dead_rank_is_named_by_every_survivor",
         &[2, 3, 4],
-        &[],
+        &[("DISTCOMM_SHM_SHARED_CACHES", "0")],
         every_survivor_names_the_dead_rank,
     );
 }

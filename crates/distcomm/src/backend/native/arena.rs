@@ -124,6 +124,9 @@ pub(crate) struct Arena {
     /// Every rank's process id, when every pair of ranks can copy across processes (direct
     /// steps, see `direct.rs`).
     pids: Option<Vec<i32>>,
+    /// Whether every rank shares a core's caches with rank 0, as measured at set-up (the same
+    /// on every rank: see `setup.rs`).
+    shared_caches: bool,
 }
 
 /// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
@@ -205,6 +208,7 @@ impl Arena {
             chain: AtomicU64::new(0),
             seen,
             pids,
+            shared_caches: false,
         }
     }
 
@@ -648,6 +652,12 @@ impl Arena {
             }
         }
         Ok(())
+    }
+
+    /// Whether the ranks share a core's caches (two hardware threads of one core), as every
+    /// rank agreed at set-up.
+    pub(crate) fn shared_caches(&self) -> bool {
+        self.shared_caches
     }
 
     /// Whether ranks outnumber cores.

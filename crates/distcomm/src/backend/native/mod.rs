@@ -64,6 +64,8 @@ pub(crate) struct ArenaConfig {
     pub max_bytes: usize,
     /// Whether the arena may copy across processes (direct steps), where every pair can.
     pub cma: bool,
+    /// Whether the ranks share a core's caches; `None`: measured at set-up.
+    pub shared_caches: Option<bool>,
 }
 
 /// One group on the native engine.

@@ -88,6 +88,7 @@ impl Native<'_> {
             // (see the README); `DISTCOMM_SHM_ALLREDUCE_MAX` caps it.
             max_bytes: env.shm_allreduce_max.unwrap_or(usize::MAX),
             cma: env.shm_cma,
+            shared_caches: env.shm_shared_caches,
         };
         let arena = arena::establish(store, rank, members.clone(), all_shm, &arena_cfg)?;
         let state = State {

@@ -72,8 +72,10 @@ pub const BROADCAST_SCATTER_MIN: usize = 4 << 20;
 /// (3 alternating pairs, new / old time): all_gather 16 B 0.56, 64 KiB 0.76, 1 MiB 0.96, 16 MiB
 /// 1.33; reduce_scatter 16 B 0.68, 64 KiB 0.78, 1 MiB 1.45.
 pub const DOUBLING_ALL_GATHER_MAX: usize = 1 << 20;
-/// See [`DOUBLING_ALL_GATHER_MAX`].
-pub const HALVING_REDUCE_SCATTER_MAX: usize = 256 << 10;
+/// See [`DOUBLING_ALL_GATHER_MAX`]. Measured again over TCP, world 4, halving against the ring
+/// (3 alternating pairs, new / old time): 256 KiB 0.98, 512 KiB 0.90, 1 MiB 0.84, 4 MiB 1.21,
+/// 16 MiB 1.11 (an earlier machine had the ring ahead at 1 MiB).
+pub const HALVING_REDUCE_SCATTER_MAX: usize = 1 << 20;
 
 /// Runs collective `coll` of `c.dtype` elements on `b`, cancelling it on every member when it
 /// fails.

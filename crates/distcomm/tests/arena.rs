@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{run_native, run_native_env};
+use common::run_native_env;
 use distcomm::{Error, ProcessGroup, ReduceOp};
 use half::bf16;
 
@@ -125,40 +125,45 @@ fn arena_direct_all_reduce() {
 /// has none.
 #[test]
 fn subgroup_arenas() {
-    run_native("subgroup_arenas", &[3, 4], |g: &ProcessGroup| {
-        if g.transport() != "shm" {
-            return;
-        }
-        let (n, r) = (g.size(), g.rank());
-        let members: Vec<usize> = (1..n).rev().collect();
-        if r == 0 {
-            let solo = g.subgroup(&[0]).unwrap();
-            let mut x = [1.5f32];
-            solo.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-            assert_eq!(x, [1.5]);
-            assert!(!solo.intranode_all_reduce());
-        } else {
-            let sub = g.subgroup(&members).unwrap();
-            assert_eq!(sub.rank(), n - 1 - r);
-            assert!(
-                !sub.intranode_all_reduce(),
-                "set up at the first collective"
-            );
-            let mut x = vec![r as i64; 5];
-            sub.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-            assert_eq!(x, vec![members.iter().sum::<usize>() as i64; 5]);
-            assert!(
-                sub.intranode_all_reduce(),
-                "rank {r}: no arena in the subgroup"
-            );
-            arena_collectives(&sub);
-        }
-        // The world's arena is its own: the subgroup's desync above did not break it.
-        let mut y = [1i32];
-        g.all_reduce(&mut y, ReduceOp::Sum).unwrap();
-        assert_eq!(y, [n as i32]);
-        assert!(g.intranode_all_reduce());
-    });
+    run_native_env(
+        "subgroup_arenas",
+        &[3, 4],
+        &[ON_OWN_CORES],
+        |g: &ProcessGroup| {
+            if g.transport() != "shm" {
+                return;
+            }
+            let (n, r) = (g.size(), g.rank());
+            let members: Vec<usize> = (1..n).rev().collect();
+            if r == 0 {
+                let solo = g.subgroup(&[0]).unwrap();
+                let mut x = [1.5f32];
+                solo.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                assert_eq!(x, [1.5]);
+                assert!(!solo.intranode_all_reduce());
+            } else {
+                let sub = g.subgroup(&members).unwrap();
+                assert_eq!(sub.rank(), n - 1 - r);
+                assert!(
+                    !sub.intranode_all_reduce(),
+                    "set up at the first collective"
+                );
+                let mut x = vec![r as i64; 5];
+                sub.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                assert_eq!(x, vec![members.iter().sum::<usize>() as i64; 5]);
+                assert!(
+                    sub.intranode_all_reduce(),
+                    "rank {r}: no arena in the subgroup"
+                );
+                arena_collectives(&sub);
+            }
+            // The world's arena is its own: the subgroup's desync above did not break it.
+            let mut y = [1i32];
+            g.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+            assert_eq!(y, [n as i32]);
+            assert!(g.intranode_all_reduce());
+        },
+    );
 }
 
 fn arena_collectives(g: &ProcessGroup) {

@@ -196,7 +196,7 @@ fn a_dead_rank_is_named_by_every_survivor_of_a_direct_step() {
     run_native_env(
         "a_dead_rank_is_named_by_every_survivor_of_a_direct_step",
         &[3],
-        &[],
+        &[("DISTCOMM_SHM_SHARED_CACHES", "0")],
         survivors_of_a_direct_step_name_the_dead_rank,
     );
 }

@@ -63,6 +63,11 @@ pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
 const OFF_MAGIC: usize = 0;
 const OFF_BROKEN: usize = 64;
+/// Set-up's measurement of whether the ranks share a core's caches (`arena/setup.rs`): rank
+/// 0's ping, the other rank's answer, rank 0's "done", each on a line of its own.
+const OFF_PING: usize = 128;
+const OFF_PONG: usize = 192;
+const OFF_DONE: usize = 256;
 /// Per rank: [`LINES`] cache lines, one per step modulo `LINES` (sequence word, the call's
 /// fingerprint at +8, the chain of all its calls so far at +24 (see [`chain`]), and up to
 /// [`INLINE`] bytes of data at +32, so a tiny call moves one line per peer), then a line with

@@ -98,6 +98,10 @@ impl Arena {
         match *self {}
     }
 
+    pub(crate) fn shared_caches(&self) -> bool {
+        match *self {}
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,

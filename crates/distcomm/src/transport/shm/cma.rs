@@ -60,19 +60,18 @@ thread_local! {
 }
 
 /// Runs `f` on [`BOUNCE`] bytes of this thread's bounce buffer lying at `remote`'s offset
-/// within a page.
+/// within a page (a buffer of its own where the thread's is gone: a copy from a thread-local's
+/// destructor).
 fn with_bounce(remote: u64, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()> {
-    BOUNCE_BUF.with(|cell| {
-        let mut fresh = Vec::new();
-        let mut held = cell.try_borrow_mut();
-        let buf = match held.as_deref_mut() {
-            Ok(buf) => buf,
-            Err(_) => &mut fresh,
-        };
+    let mut on = |buf: &mut Vec<u8>| {
         buf.resize(BOUNCE + 4096, 0);
         let at = (remote.wrapping_sub(buf.as_ptr() as u64) & 4095) as usize;
         f(&mut buf[at..at + BOUNCE])
-    })
+    };
+    match BOUNCE_BUF.try_with(|cell| on(&mut cell.borrow_mut())) {
+        Ok(done) => done,
+        Err(_) => on(&mut Vec::new()),
+    }
 }
 
 fn read_raw(pid: i32, addr: u64, dst: &mut [u8]) -> io::Result<()> {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::direct;
-use super::{arena_len, Arena, ArenaConfig, MAGIC, OFF_MAGIC};
+use super::{arena_len, Arena, ArenaConfig, MAGIC, OFF_DONE, OFF_MAGIC, OFF_PING, OFF_PONG};
 use crate::error::Result;
 use crate::transport::shm::Region;
 
@@ -82,36 +82,43 @@ pub(crate) fn establish(
             direct &= a.ends_with(b" 1");
         }
         Region::unlink(&name);
-        let go = format!("{} {}", yes(all), yes(direct));
+        // Whether ranks outnumber cores is rank 0's word for every rank (each rank's own count
+        // of its cores may differ, with pinning), as the choice of steps depends on it.
+        let go = format!("{} {} {}", yes(all), yes(direct), yes(cfg.oversubscribed));
         store.set("arena/go", go.as_bytes())?;
     }
-    let go = store.get("arena/go")?;
+    let go = String::from_utf8_lossy(&store.get("arena/go")?).into_owned();
     drop(probe_word);
-    let pids = pids.filter(|_| go.ends_with(b" 1"));
-    let (true, Some(region)) = (go.starts_with(b"1"), region) else {
+    let said: Vec<&str> = go.split(' ').collect();
+    let flag = |i: usize| said.get(i) == Some(&"1");
+    let (all, crowded) = (flag(0), flag(2));
+    let pids = pids.filter(|_| flag(1));
+    let (true, Some(region)) = (all, region) else {
         return Ok(None);
     };
     // Whether the ranks share a core's caches only matters to the direct steps, and cannot be
     // told when they outnumber the cores (a rank that waits for the core is no measure).
-    let shared = match pids.is_some() && !cfg.oversubscribed {
+    let shared = match pids.is_some() && !crowded {
         true => shares_caches(store, &region, (me, n), cfg.shared_caches)?,
         false => false,
     };
-    let mut arena = Arena::new(region, me, members, chunk, cfg, pids);
+    let cfg = ArenaConfig {
+        oversubscribed: crowded,
+        ..cfg.clone()
+    };
+    let mut arena = Arena::new(region, me, members, chunk, &cfg, pids);
     arena.shared_caches = shared;
     Ok(Some(Arc::new(arena)))
 }
 
-/// The arena's header words of the cache measurement (free lines between the broken flag and
-/// the control lines): rank 0's ping, the other rank's answer, rank 0's "done".
-const OFF_PING: usize = 128;
-const OFF_PONG: usize = 192;
-const OFF_DONE: usize = 256;
 /// Round trips rank 0 makes with each other rank.
 const ROUNDS: u64 = 200;
 /// A cache line's round trip between two ranks takes less than this when they share a core's
 /// caches (two hardware threads of one core): 100-170 ns measured here then, against 0.4-0.7 µs
-/// across cores.
+/// across cores. (Two cores of a bare-metal machine that share a last-level cache may come in
+/// under it too, and are then treated alike; the thresholds that follow from it were measured
+/// on hardware threads of one core only. The guest's own topology is no help here: these VMs
+/// show no two vCPUs as siblings whichever host threads they run on.)
 const SHARED_RTT: Duration = Duration::from_nanos(250);
 /// How long rank 0 tries each pair, and how long a rank answers, at most.
 const PAIR_LIMIT: Duration = Duration::from_millis(5);
@@ -121,8 +128,9 @@ const PAIR_LIMIT: Duration = Duration::from_millis(5);
 /// megabytes: see `intranode::SHARED_CACHES_DIRECT_MIN`), measured by a cache line's round trip
 /// between rank 0 and each other rank in turn. Rank 0 decides and announces it through the
 /// store, so every rank agrees whatever it measured; a rank that did not answer in time makes it
-/// `false` (the choice for ranks on cores of their own). `told`: rank 0's setting
-/// (`DISTCOMM_SHM_SHARED_CACHES`), which it announces instead of measuring.
+/// `false` (the choice for ranks on cores of their own). `told`: the setting
+/// (`DISTCOMM_SHM_SHARED_CACHES`), of which only rank 0's counts: it announces it instead of
+/// measuring.
 fn shares_caches(
     store: &dyn crate::rendezvous::Store,
     region: &Region,
@@ -173,7 +181,8 @@ fn round_trip(r: u64, ping: &AtomicU64, pong: &AtomicU64) -> Option<Duration> {
 }
 
 /// Another rank's side: echoes rank 0's pings to it until rank 0 is done with every rank, or
-/// for `n` times [`PAIR_LIMIT`] at most (rank 0 then decides without it).
+/// for `me + 1` times [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the ranks before it
+/// for at most [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: `false`).
 fn answer(me: u64, ping: &AtomicU64, pong: &AtomicU64, done: &AtomicU64) {
     let until = Instant::now() + PAIR_LIMIT * u32::try_from(me + 1).unwrap_or(u32::MAX);
     let mut turns = 0u32;

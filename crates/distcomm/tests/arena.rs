@@ -166,6 +166,53 @@ fn subgroup_arenas() {
     );
 }
 
+/// A reduce_scatter too large for one exchange step, on more than four ranks (on a machine
+/// where they outnumber the cores, as on the 2-core machines of CI, it goes the way of
+/// all_reduce through the arena, every rank taking its block): blocks of odd lengths across the
+/// chunks, sums in rank order, integer and 16-bit averages divided once (rounded once), and an
+/// operator that differs between ranks is a desync on every rank, not a wrong result.
+#[test]
+fn arena_reduce_scatter_by_chunks() {
+    run_native_env(
+        "arena_reduce_scatter_by_chunks",
+        &[5],
+        &[],
+        |g: &ProcessGroup| {
+            let (n, r) = (g.size(), g.rank());
+            let k = 70_001;
+            let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
+            let input: Vec<f32> = (0..n * k).map(|i| val(r, i)).collect();
+            let mut out = vec![0f32; k];
+            g.reduce_scatter(&input, &mut out, ReduceOp::Sum).unwrap();
+            let want = |i: usize| (0..n).map(|q| val(q, r * k + i)).sum::<f32>();
+            let bad = (0..k).find(|&i| out[i] != want(i));
+            assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
+            let ints = vec![10 * (r as i64 + 1); n * k];
+            let mut avg = vec![0i64; k];
+            g.reduce_scatter(&ints, &mut avg, ReduceOp::Avg).unwrap();
+            let tri = 10 * (1..=n as i64).sum::<i64>();
+            assert!(avg.iter().all(|&v| v == tri / n as i64), "{:?}", &avg[..4]);
+            let halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); n * k + n];
+            let mut got = vec![bf16::ZERO; k + 1];
+            g.reduce_scatter(&halves, &mut got, ReduceOp::Avg).unwrap();
+            let exact: f32 = (1..=n)
+                .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
+                .sum();
+            let want = bf16::from_f32(exact / n as f32);
+            assert!(got.iter().all(|&v| v == want), "{:?}", &got[..4]);
+            let op = if r == n - 1 {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
+            match g.reduce_scatter(&input, &mut out, op) {
+                Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+                other => panic!("rank {r}: expected a desync, got {other:?}"),
+            }
+        },
+    );
+}
+
 fn arena_collectives(g: &ProcessGroup) {
     {
         let (n, r) = (g.size(), g.rank());

@@ -393,14 +393,16 @@ impl Arena {
     /// All-reduces `buf` in place through the arena. `fp`, `dtype` and `tag` describe the
     /// caller's call (for desync checks). 16-bit floats travel at 16 bits and are reduced in
     /// f32 and rounded once, `Avg` divided before rounding ([`Reducible::reduce_all`]); other
-    /// types leave `Avg`'s division to the caller. With `root`, a reduce: only that rank takes
-    /// the result (every rank still reduces its share), the others' `buf` stays as it is.
+    /// types leave `Avg`'s division to the caller. Only the elements `take` of `buf` take the
+    /// result (every rank still reduces its share), the others stay as they are: all of them
+    /// for all_reduce, all or none for a reduce (the root's or another's), this rank's block
+    /// for a reduce_scatter; `name` is the call's, for errors.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
-        buf: &mut [T],
+        (buf, take): (&mut [T], std::ops::Range<usize>),
         op: ReduceOp,
-        root: Option<usize>,
+        name: &'static str,
         fp: &Fingerprint,
         dtype: DType,
         tag: u32,
@@ -419,17 +421,12 @@ impl Arena {
             .min(self.chunk);
         let per_chunk = (chunk_bytes / size).max(1);
         let result = self.run(
-            buf,
+            (buf, take),
             op,
-            root.is_none_or(|r| r == self.me),
             per_chunk,
             first_step,
             Wait {
-                op: if root.is_some() {
-                    "reduce"
-                } else {
-                    "all_reduce"
-                },
+                op: name,
                 since: std::cell::Cell::new(None),
                 timeout,
                 engine,
@@ -521,9 +518,8 @@ impl Arena {
 
     fn run<T: Reducible>(
         &self,
-        buf: &mut [T],
+        (buf, take): (&mut [T], std::ops::Range<usize>),
         op: ReduceOp,
-        takes: bool,
         per_chunk: usize,
         first_step: u64,
         w: Wait<'_>,
@@ -553,6 +549,10 @@ impl Arena {
             // that waited for fewer ranks). Offsets are multiples of 64 plus element
             // multiples, so aligned for T.
             let bytes = std::mem::size_of_val(chunk);
+            // The elements of this chunk that take the result.
+            let start = k * per_chunk;
+            let taken = take.start.clamp(start, start + m) - start
+                ..take.end.clamp(start, start + m) - start;
             if bytes <= SMALL {
                 // Small: one barrier, then every rank reduces the whole chunk itself, in rank
                 // order (so every rank computes the same bits). Slots (or the data part of the
@@ -573,10 +573,11 @@ impl Arena {
                 if k == 0 {
                     self.check_calls(Reads::All, w.op, first_step, (w0, w1), chained)?;
                 }
-                // SAFETY: see above.
-                let slot = |r: usize| unsafe { self.region.view::<T>(at(r), m) };
-                if takes {
-                    T::reduce_all(chunk, self.n, &slot, op);
+                if !taken.is_empty() {
+                    let (at_lo, len) = (taken.start * size, taken.len());
+                    // SAFETY: see above.
+                    let slot = |r: usize| unsafe { self.region.view::<T>(at(r) + at_lo, len) };
+                    T::reduce_all(&mut chunk[taken], self.n, &slot, op);
                 }
                 continue;
             }
@@ -608,10 +609,11 @@ impl Arena {
             self.seq(self.me, step)
                 .store(2 * step + 2, Ordering::Release);
             self.barrier(step, 2 * step + 2, w)?;
-            if takes {
+            if !taken.is_empty() {
+                let from = self.result(parity) + taken.start * size;
                 // SAFETY: see above.
-                copy(chunk, unsafe {
-                    self.region.view::<T>(self.result(parity), m)
+                copy(&mut chunk[taken.clone()], unsafe {
+                    self.region.view::<T>(from, taken.len())
                 });
             }
         }
@@ -663,6 +665,11 @@ impl Arena {
     /// rank agreed at set-up.
     pub(crate) fn shared_caches(&self) -> bool {
         self.shared_caches
+    }
+
+    /// The group's ranks.
+    pub(crate) fn ranks(&self) -> usize {
+        self.n
     }
 
     /// Whether ranks outnumber cores.

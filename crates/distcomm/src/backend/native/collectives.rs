@@ -225,7 +225,9 @@ impl Run<'_> {
             self.direct_all_reduce(arena, &s, buf, op)
         } else {
             chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
-            arena.all_reduce(buf, op, None, &fp, T::DTYPE, tag, timeout, engine)
+            let whole = 0..buf.len();
+            let name = call.kind.name();
+            arena.all_reduce((buf, whole), op, name, &fp, T::DTYPE, tag, timeout, engine)
         };
         done.map(|()| {
             count_sent(size_of_val(buf));

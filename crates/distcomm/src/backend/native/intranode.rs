@@ -56,6 +56,17 @@ fn one_step_reduce(part: usize, arena: &Arena) -> bool {
     part <= max.min(arena.slot_bytes())
 }
 
+/// Whether a reduce_scatter whose input is `part` bytes goes the way of all_reduce through the
+/// arena (each rank reducing its share of every chunk, taking its block of the result): when
+/// ranks outnumber cores, more than four, and the part is too large for one exchange step; the
+/// network schedules' rounds then wait for every rank to be scheduled in turn. Measured on 2
+/// cores against the schedules (`scripts/ab.py`, 2 pairs, new / old time): world 6 256 KiB
+/// 0.47, 1 MiB 0.76, 4 MiB 0.72; world 8 256 KiB-64 MiB 0.64-0.76; but world 3 1 MiB 1.14,
+/// 4 MiB 1.09, world 4 0.88-1.13, and world 2 (cores of their own) 0.96-1.04.
+fn chunked_reduce_scatter(part: usize, arena: &Arena) -> bool {
+    arena.oversubscribed() && arena.ranks() > 4 && part > OVERSUBSCRIBED_MAX.min(arena.slot_bytes())
+}
+
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
 /// outnumber cores (reduce: up to [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the
 /// network schedules (shm links, one pair per point): world 2 at 1 MiB, scatter 0.14x,
@@ -85,6 +96,9 @@ pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
         Coll::AllToAll(..) => return bytes <= ALL_TO_ALL_MAX,
         // Larger reduces go the way of all_reduce (see `through_arena`), as far as it goes.
         Coll::Reduce(..) if !one_step_reduce(bytes, arena) => return bytes <= arena.max_bytes(),
+        Coll::ReduceScatter(..) if chunked_reduce_scatter(bytes, arena) => {
+            return bytes <= arena.max_bytes()
+        }
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,
         _ => PART_MAX,
@@ -563,10 +577,11 @@ impl Run<'_> {
                 if !one_step_reduce(widened::<T>(size_of_val(buf)), arena) {
                     // Larger: every rank reduces its share, as all_reduce does.
                     count_sent(size_of_val(buf));
+                    let take = if me == root { 0..buf.len() } else { 0..0 };
                     arena.all_reduce(
-                        buf,
+                        (&mut *buf, take),
                         op,
-                        Some(root),
+                        s.op,
                         s.fp,
                         T::DTYPE,
                         tag,
@@ -585,6 +600,32 @@ impl Run<'_> {
                 let out = crate::backend::typed_mut::<T>(s.op, out)?;
                 let input = typed::<T>(s.op, input)?;
                 let k = out.len();
+                if chunked_reduce_scatter(widened::<T>(size_of_val(input)), arena) {
+                    // Larger: every rank reduces its share of a working copy, as all_reduce
+                    // does, and takes its block of the result.
+                    count_sent(size_of_val(input));
+                    let mut work: Vec<T> = self.pool.take_len(input.len());
+                    copy(&mut work, input);
+                    let block = me * k..(me + 1) * k;
+                    let done = arena.all_reduce(
+                        (&mut work, block.clone()),
+                        op,
+                        s.op,
+                        s.fp,
+                        T::DTYPE,
+                        tag,
+                        s.timeout,
+                        s.engine,
+                    );
+                    if done.is_ok() {
+                        copy(out, &work[block]);
+                        if op == ReduceOp::Avg && !T::WIDENS {
+                            T::finish_avg(out, n);
+                        }
+                    }
+                    self.pool.give(work);
+                    return done;
+                }
                 // The reduction reads every rank's whole input, and writes this rank's block.
                 self.reduce_block(
                     arena,

@@ -56,7 +56,7 @@ fn arena_collectives_in_small_slots() {
     );
 }
 
-/// Large all_reduces (from 4 MiB, ranks not outnumbering cores: world 2 here) take two direct
+/// Large all_reduces (from 32 MiB, ranks not outnumbering cores: world 2 here) take two direct
 /// steps, reduces on two ranks one: every element type's result as the slots give it (integer
 /// averages, 16-bit floats rounded once), lengths that do not divide among the ranks, a reduce
 /// leaves the other ranks' buffers as they were, and an operator that differs between ranks
@@ -72,17 +72,17 @@ fn arena_direct_all_reduce() {
                 return;
             }
             let (n, r) = (g.size(), g.rank());
-            let len = (4 << 20) / 4 + 7;
+            let len = (32 << 20) / 4 + 7;
             let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
             let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
             g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
             let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
             assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
-            let mut ints = vec![10 * (r as i64 + 1); (4 << 20) / 8 + 3];
+            let mut ints = vec![10 * (r as i64 + 1); (32 << 20) / 8 + 3];
             g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
             let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
             assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
-            let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (4 << 20) / 2 + 1];
+            let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (32 << 20) / 2 + 1];
             g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
             let exact: f32 = (1..=n)
                 .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())

@@ -158,11 +158,14 @@ pub(super) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 pub(super) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
 
 /// all_reduce takes two direct steps (see [`Run::direct_all_reduce`]) from this many bytes on,
-/// when ranks do not outnumber cores. Measured on 2 ranks, `scripts/ab.py` against the slots
-/// (4 pairs, direct / slots time): 128 KiB 1.16, 256 KiB 1.08, 512 KiB 1.00, 1 MiB 0.97,
-/// 2 MiB 0.71; and in alternating runs (µs) 4 MiB 707-757 against 829-862, 16 MiB 3542-4636
-/// against 3997-4476, 64 MiB 23443-25938 against 24829-26673.
-pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 2 << 20;
+/// when ranks do not outnumber cores (nor share a core's caches). Measured on 2 ranks on cores
+/// of their own (a cache line's round trip 410-570 ns), `DISTCOMM_SHM_SHARED_CACHES=0` against
+/// `=1` (the slots), 3 alternating pairs (µs): 2 MiB 654-672 against 557-575, 4 MiB 1308-1373
+/// against 1108-1159, 16 MiB 5250-5323 against 4748-4902, 24 MiB 7584-8517 against 7992-8821,
+/// 32 MiB 10942-11435 against 11469-11916, 48 MiB 15111-16615 against 17317-17850, 64 MiB
+/// 20576-21405 against 22768-23330. (An earlier session measured it ahead from 2 MiB: the
+/// machine's two vCPUs had other placements then.)
+pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 32 << 20;
 
 /// Where the ranks share a core's caches ([`Arena::shared_caches`]), direct steps (gather,
 /// scatter, all_gather, all_to_all, a two-rank reduce) only from blocks this large, so

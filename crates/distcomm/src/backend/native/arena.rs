@@ -396,18 +396,12 @@ impl Arena {
     /// types leave `Avg`'s division to the caller. Only the elements `take` of `buf` take the
     /// result (every rank still reduces its share), the others stay as they are: all of them
     /// for all_reduce, all or none for a reduce (the root's or another's), this rank's block
-    /// for a reduce_scatter; `name` is the call's, for errors.
-    #[allow(clippy::too_many_arguments)]
+    /// for a reduce_scatter. `s` describes the call (desync checks, errors).
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
+        s: &Exchange<'_>,
         (buf, take): (&mut [T], std::ops::Range<usize>),
         op: ReduceOp,
-        name: &'static str,
-        fp: &Fingerprint,
-        dtype: DType,
-        tag: u32,
-        timeout: Duration,
-        engine: &Engine,
     ) -> Result<()> {
         let first_step = self.step.load(Ordering::Acquire);
         let size = std::mem::size_of::<T>();
@@ -420,19 +414,7 @@ impl Arena {
             .max(64 << 10)
             .min(self.chunk);
         let per_chunk = (chunk_bytes / size).max(1);
-        let result = self.run(
-            (buf, take),
-            op,
-            per_chunk,
-            first_step,
-            Wait {
-                op: name,
-                since: std::cell::Cell::new(None),
-                timeout,
-                engine,
-                call: fp_words(fp, dtype, tag),
-            },
-        );
+        let result = self.run((buf, take), op, per_chunk, first_step, Wait::new(s));
         match &result {
             Ok(chained) => {
                 let ran = buf.len().div_ceil(per_chunk) as u64;

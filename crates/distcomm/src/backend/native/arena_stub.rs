@@ -2,13 +2,11 @@
 //! algorithms. (Linux: see `arena.rs`.)
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::call::Fingerprint;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
-use crate::transport::tcp::Engine;
 
 pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
 
@@ -106,17 +104,11 @@ impl Arena {
         match *self {}
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_reduce<T: Reducible>(
         &self,
-        _buf: &mut [T],
+        _s: &Exchange<'_>,
+        _buf: (&mut [T], std::ops::Range<usize>),
         _op: ReduceOp,
-        _root: Option<usize>,
-        _fp: &Fingerprint,
-        _dtype: DType,
-        _tag: u32,
-        _timeout: Duration,
-        _engine: &Engine,
     ) -> Result<()> {
         match *self {}
     }

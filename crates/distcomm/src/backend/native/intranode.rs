@@ -581,16 +581,7 @@ impl Run<'_> {
                     // Larger: every rank reduces its share, as all_reduce does.
                     count_sent(size_of_val(buf));
                     let take = if me == root { 0..buf.len() } else { 0..0 };
-                    arena.all_reduce(
-                        (&mut *buf, take),
-                        op,
-                        s.op,
-                        s.fp,
-                        T::DTYPE,
-                        tag,
-                        s.timeout,
-                        s.engine,
-                    )?;
+                    arena.all_reduce(&s, (&mut *buf, take), op)?;
                     if me == root && op == ReduceOp::Avg && !T::WIDENS {
                         T::finish_avg(buf, n);
                     }
@@ -610,16 +601,7 @@ impl Run<'_> {
                     let mut work: Vec<T> = self.pool.take_len(input.len());
                     copy(&mut work, input);
                     let block = me * k..(me + 1) * k;
-                    let done = arena.all_reduce(
-                        (&mut work, block.clone()),
-                        op,
-                        s.op,
-                        s.fp,
-                        T::DTYPE,
-                        tag,
-                        s.timeout,
-                        s.engine,
-                    );
+                    let done = arena.all_reduce(&s, (&mut work, block.clone()), op);
                     if done.is_ok() {
                         copy(out, &work[block]);
                         if op == ReduceOp::Avg && !T::WIDENS {

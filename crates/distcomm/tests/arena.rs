@@ -108,7 +108,7 @@ fn arena_direct_all_reduce() {
             };
             assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
             let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
-            let mut y = vec![1f32; 1 << 20];
+            let mut y = vec![1f32; 8 << 20];
             let t = std::time::Instant::now();
             match g.all_reduce(&mut y, op) {
                 Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
@@ -168,7 +168,8 @@ fn subgroup_arenas() {
 
 /// A reduce_scatter too large for one exchange step, on more than four ranks (on a machine
 /// where they outnumber the cores, as on the 2-core machines of CI, it goes the way of
-/// all_reduce through the arena, every rank taking its block): blocks of odd lengths across the
+/// all_reduce through the arena, every rank taking its block; with five cores or more it
+/// tests the one-step and network paths instead): blocks of odd lengths across the
 /// chunks, sums in rank order, integer and 16-bit averages divided once (rounded once), and an
 /// operator that differs between ranks is a desync on every rank, not a wrong result.
 #[test]

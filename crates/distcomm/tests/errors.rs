@@ -115,13 +115,13 @@ fn every_survivor_names_the_dead_rank(g: &ProcessGroup) {
     g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     if r == n - 1 {
         let _w = g
-            .all_reduce_async(vec![1f32; 4 << 20], ReduceOp::Sum)
+            .all_reduce_async(vec![1f32; 8 << 20], ReduceOp::Sum)
             .unwrap();
         std::thread::sleep(Duration::from_millis(1));
         std::process::exit(0);
     }
     let t = Instant::now();
-    let mut big = vec![1f32; 4 << 20];
+    let mut big = vec![1f32; 8 << 20];
     names_the_last_rank(g, g.all_reduce(&mut big, ReduceOp::Sum));
     assert!(
         t.elapsed() < Duration::from_secs(5),

@@ -1,5 +1,6 @@
 //! Intra-node collectives through a shared arena (Linux, every rank of the group on one host):
-//! all_reduce (and large reduces) here, the other collectives as one [`Arena::exchange`] step
+//! all_reduce (and large reduces and reduce_scatters) here, the other collectives as one
+//! [`Arena::exchange`] step
 //! per piece (`intranode.rs` says what each op puts in and takes out), or as one *direct* step
 //! in which the ranks copy each other's parts straight from their buffers (`arena/direct.rs`).
 //! Set-up: `arena/setup.rs`.
@@ -15,7 +16,8 @@
 //! 3. reduces its share of the chunk across all slots into the shared result (16-bit floats
 //!    stay 16-bit in the slots and are combined in f32 and rounded once, in this one pass);
 //! 4. raises its sequence word again and waits for everyone (barrier 2);
-//! 5. copies the whole reduced chunk out.
+//! 5. copies the reduced chunk out (the part of it the call takes: all of it for all_reduce,
+//!    none on a reduce's other ranks, the rank's block for a reduce_scatter).
 //!
 //! Every chunk or exchange is a *step*. Slots and results are double-buffered by step parity,
 //! control lines kept per step modulo [`LINES`]; before a step a rank waits until it may write
@@ -525,8 +527,8 @@ impl Arena {
             // by us, between barrier 1 of chunk `step - 1` (every rank finished reading it as
             // chunk `step - 2`) and barrier 1 of this chunk; the other slots are only read
             // between the two barriers of this chunk, when nobody writes them; our share of
-            // the result is written only by us between the barriers, and the whole result is
-            // read by everyone after barrier 2, before barrier 1 of chunk `step + 2` lets
+            // the result is written only by us between the barriers, and the result is read
+            // (what each rank takes of it) after barrier 2, before barrier 1 of chunk `step + 2` lets
             // anyone write it again ([`Arena::begin`] keeps both true after an exchange step
             // that waited for fewer ranks). Offsets are multiples of 64 plus element
             // multiples, so aligned for T.

@@ -169,10 +169,10 @@ pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 32 << 20;
 
 /// Where the ranks share a core's caches ([`Arena::shared_caches`]), direct steps (gather,
 /// scatter, all_gather, all_to_all, a two-rank reduce) only from blocks this large, so
-/// broadcast (direct only up to [`DIRECT_BROADCAST_MAX`]) and all_reduce never: the slots' two copies then pass through caches both ranks share and
-/// beat the kernel's one cross-memory copy (which moves 10 GB/s here either way). Measured on
-/// such a pair (world 2, `DISTCOMM_SHM_CMA=0` against `=1`, alternating runs, µs, slots against
-/// direct): gather 64 KiB 2.4 against 6.1, 1 MiB 50 against 54-78, 4 MiB 194-196 against
+/// broadcast (direct only up to [`DIRECT_BROADCAST_MAX`]) and all_reduce never: the slots'
+/// two copies then pass through caches both ranks share and beat the kernel's one copy (which
+/// moves 10 GB/s here either way). Measured on such a pair (world 2, `DISTCOMM_SHM_CMA=0`
+/// against `=1`, alternating runs, µs, slots against direct): gather 64 KiB 2.4 against 6.1, 1 MiB 50 against 54-78, 4 MiB 194-196 against
 /// 285-372, 16 MiB 1141-2725 against 846-2789; broadcast 1 MiB 43-61 against 103-127; reduce
 /// 64 KiB 5.0 against 9.9, 1 MiB 95 against 116, 16 MiB 2291 against 2006; all_reduce 16 MiB
 /// 3084 against 3346, 64 MiB 13826 against 16682.

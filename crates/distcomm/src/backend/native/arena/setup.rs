@@ -98,9 +98,10 @@ pub(crate) fn establish(
     };
     // Whether the ranks share a core's caches only matters to the direct steps, and cannot be
     // told when they outnumber the cores (a rank that waits for the core is no measure).
-    let shared = match pids.is_some() && !crowded {
-        true => shares_caches(store, &region, (me, n), cfg.shared_caches)?,
-        false => false,
+    let shared = if pids.is_some() && !crowded {
+        shares_caches(store, &region, (me, n), cfg.shared_caches)?
+    } else {
+        false
     };
     let cfg = ArenaConfig {
         oversubscribed: crowded,

@@ -193,14 +193,15 @@ impl<'a> Wait<'a> {
 }
 
 impl Arena {
-    /// Wraps a mapped region of [`arena_len`]`(n, chunk)` bytes (initialised by its creator).
+    /// Wraps a mapped region of [`arena_len`]`(n, chunk)` bytes (initialised by its creator), for
+    /// rank `me` of `members`, with the process ids of direct steps (`pids`) and whether the
+    /// ranks share a core's caches, as every rank agreed at set-up.
     fn new(
         region: Region,
-        me: usize,
-        members: Arc<Vec<usize>>,
+        (me, members): (usize, Arc<Vec<usize>>),
         chunk: usize,
         cfg: &ArenaConfig,
-        pids: Option<Vec<i32>>,
+        (pids, shared_caches): (Option<Vec<i32>>, bool),
     ) -> Arena {
         let seen = (0..members.len()).map(|_| AtomicU64::new(0)).collect();
         Arena {
@@ -215,7 +216,7 @@ impl Arena {
             chain: AtomicU64::new(0),
             seen,
             pids,
-            shared_caches: false,
+            shared_caches,
         }
     }
 

@@ -107,8 +107,7 @@ pub(crate) fn establish(
         oversubscribed: crowded,
         ..cfg.clone()
     };
-    let mut arena = Arena::new(region, me, members, chunk, &cfg, pids);
-    arena.shared_caches = shared;
+    let arena = Arena::new(region, (me, members), chunk, &cfg, (pids, shared));
     Ok(Some(Arc::new(arena)))
 }
 
@@ -140,16 +139,14 @@ fn shares_caches(
 ) -> Result<bool> {
     let (ping, pong) = (region.word(OFF_PING), region.word(OFF_PONG));
     let done = region.word(OFF_DONE);
-    if me == 0 && told.is_some() {
-        done.store(1, Ordering::Release);
-        store.set("arena/caches", if told == Some(true) { b"1" } else { b"0" })?;
-    } else if me == 0 {
-        let mut shared = true;
-        for r in 1..n {
-            let rtt = round_trip(r as u64, ping, pong);
-            tracing::debug!(rank = r, ?rtt, "arena: cache line round trip with rank 0");
-            shared &= rtt.is_some_and(|rtt| rtt < SHARED_RTT);
-        }
+    if me == 0 {
+        let shared = told.unwrap_or_else(|| {
+            (1..n).all(|r| {
+                let rtt = round_trip(r as u64, ping, pong);
+                tracing::debug!(rank = r, ?rtt, "arena: cache line round trip with rank 0");
+                rtt.is_some_and(|rtt| rtt < SHARED_RTT)
+            })
+        });
         done.store(1, Ordering::Release);
         store.set("arena/caches", if shared { b"1" } else { b"0" })?;
     } else {

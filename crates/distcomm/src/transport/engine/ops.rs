@@ -38,14 +38,16 @@ impl Engine {
                     if sockbuf != (0, 0) && shm.is_none() {
                         set_buffers(&stream, sockbuf)?;
                     }
+                    let (rxbuf, rx_base) = rx_buffer();
                     Some(Peer {
                         link: Link { stream, shm },
                         out: VecDeque::new(),
                         out_off: 0,
                         rx: Rx::Header,
-                        rxbuf: vec![0u8; RXBUF].into_boxed_slice(),
-                        rx_start: 0,
-                        rx_end: 0,
+                        rxbuf,
+                        rx_base,
+                        rx_start: rx_base,
+                        rx_end: rx_base,
                         dead: None,
                         chunk: cfg.data_chunk.unwrap_or(if local {
                             LOCAL_DATA_CHUNK

@@ -311,6 +311,19 @@ pub fn binomial_reduce(n: usize, r: usize, root: usize, count: usize) -> Schedul
         .collect()
 }
 
+/// Reduce of `count` elements to `root` with every other rank sending straight to it, in one
+/// round; the root adds them in rank order (from the root on).
+pub fn direct_reduce(n: usize, r: usize, root: usize, count: usize) -> Schedule {
+    let round = if r == root {
+        (1..n)
+            .map(|v| recv((v + root) % n, 0..count, true))
+            .collect()
+    } else {
+        vec![send(root, 0..count)]
+    };
+    vec![round]
+}
+
 /// Broadcast for large buffers: the root scatters chunk `i` to rank `i`, then a ring all-gather
 /// (each rank receives about 2× the buffer instead of log₂ n × through a tree).
 pub fn scatter_all_gather_broadcast(n: usize, r: usize, root: usize, count: usize) -> Schedule {
@@ -581,7 +594,7 @@ mod tests {
             simulate(&s, &mut outs, &ins, add).unwrap();
             for o in &outs { prop_assert_eq!(o, &ins[root]); }
             let mut outs = ins.clone();
-            let s: Vec<_> = (0..n).map(|r| binomial_reduce(n, r, root, count)).collect();
+            let s: Vec<_> = (0..n).map(|r| if large { direct_reduce(n, r, root, count) } else { binomial_reduce(n, r, root, count) }).collect();
             simulate(&s, &mut outs, &ins, add).unwrap();
             prop_assert_eq!(&outs[root], &sum_of(&ins));
         }

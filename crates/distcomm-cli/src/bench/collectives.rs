@@ -14,6 +14,7 @@ use distcomm::call::CallKind;
 use distcomm::{padded_len, DType, Error, OneBitState, ProcessGroup, ReduceOp, Reducible, Result};
 
 use super::record::{median_spread, record, Record, SPREAD};
+use super::warm::warm_up;
 
 /// Timed loops per collective row (the reported time is their median).
 pub const REPS: usize = 5;
@@ -372,9 +373,21 @@ fn run_typed<T: Val>(
     // calls at least, in REPS loops whose median is the figure: 64 MiB all_reduce (world 2)
     // took 5 calls before, and three runs gave 5.9, 6.6 and 7.5 GB/s busbw.
     let per_loop = (((256usize << 20) / size.max(1)).clamp(20, 20_000)).div_ceil(REPS);
-    for _ in 0..2 {
-        once(g, op, &mut x)?;
-    }
+    // Rank 0's word to go on warming up comes in a broadcast after every batch.
+    warm_up(
+        g.rank() == 0,
+        || {
+            for _ in 0..per_loop.div_ceil(4) {
+                once(g, op, &mut x)?;
+            }
+            Ok(())
+        },
+        |more| {
+            let mut word = [u8::from(more)];
+            g.broadcast(&mut word, 0)?;
+            Ok(word[0] == 1)
+        },
+    )?;
     let mut loops = Vec::with_capacity(REPS);
     for _ in 0..REPS {
         g.barrier()?;

@@ -4,7 +4,7 @@
 //! Owns: the command line of `bench` ([`BenchArgs`], the [`Suites`] it names), starting its own
 //! ranks when not under a launcher, and the run: which suites at which sizes, the progress bar,
 //! headers and rows, `--json` and `--plot`. The suites ([`p2p`], [`collectives`], [`staging`])
-//! measure; [`record`] (a leaf) is what they report and how a row reads; [`plot`] draws
+//! measure, after [`warm`]ing up; [`record`] (a leaf) is what they report and how a row reads; [`plot`] draws
 //! records. Must not know: how any op is run, timed or checked.
 
 mod collectives;
@@ -12,6 +12,7 @@ mod p2p;
 mod plot;
 mod record;
 mod staging;
+mod warm;
 
 use std::path::PathBuf;
 

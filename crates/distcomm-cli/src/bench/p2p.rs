@@ -10,6 +10,7 @@ use std::time::Instant;
 use distcomm::{DType, Error, ProcessGroup, Result};
 
 use super::record::{median_spread, record, Record, SPREAD};
+use super::warm::warm_up;
 
 /// The header of the point-to-point rows: what is timed and how (`window`: the stream's depth).
 pub fn header(window: usize) -> Vec<String> {
@@ -100,6 +101,9 @@ fn round_trip(g: &ProcessGroup, buf: Vec<u8>, mut rbuf: Vec<u8>) -> Result<(Vec<
 /// buffers save the copies in and out of the slices.
 const BLOCKING_MAX: usize = distcomm::transport::LANE_MAX;
 
+/// The tag of rank 0's word to go on warming up.
+const WARM_TAG: u32 = 2;
+
 fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>> {
     if g.rank() > 1 {
         return Ok(None);
@@ -120,9 +124,29 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         Ok((buf, rbuf))
     };
     (buf, rbuf) = checked(buf, rbuf, size as u64)?;
-    for _ in 0..2 {
-        (buf, rbuf) = round_trip(g, buf, rbuf)?;
-    }
+    // Rank 0 tells rank 1 after every batch whether to go on (a tag the round trips do not use).
+    let batch = (iters / 20).max(1);
+    let mut bufs = (buf, rbuf);
+    warm_up(
+        g.rank() == 0,
+        || {
+            for _ in 0..batch {
+                let (b, r) = std::mem::take(&mut bufs);
+                bufs = round_trip(g, b, r)?;
+            }
+            Ok(())
+        },
+        |more| {
+            let mut word = [u8::from(more)];
+            if g.rank() == 0 {
+                g.send(&word, 1, WARM_TAG)?;
+            } else {
+                g.recv(&mut word, 0, WARM_TAG)?;
+            }
+            Ok(word[0] == 1)
+        },
+    )?;
+    let (mut buf, mut rbuf) = bufs;
     // Timed in batches (median over batches): reading the clock around every round trip
     // would add its own cost (~40 ns) to the smallest ones.
     let batch = (iters / 40).max(1);

@@ -46,6 +46,7 @@ impl Engine {
                         rx: Rx::Header,
                         rxbuf,
                         rx_base,
+                        copy: CopyRate::default(),
                         rx_start: rx_base,
                         rx_end: rx_base,
                         dead: None,

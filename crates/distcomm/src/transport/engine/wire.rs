@@ -48,6 +48,7 @@ impl State {
                 } => {
                     let total = hdr.payload_len() as usize;
                     if got == total {
+                        peer.copy.bounce = false;
                         match chunk {
                             Some(at) => self.on_chunk_done(p, hdr, target, at),
                             None => self.on_payload_done(p, hdr, target),
@@ -90,17 +91,21 @@ impl State {
                         };
                         return Ok(progressed);
                     }
-                    let r =
-                        if dst.len() >= RXBUF / 2 || (peer.link.shm.is_some() && !dst.is_empty()) {
-                            peer.link.read(dst).map(|f| {
-                                if let Fill::Got(n) = f {
-                                    got += n;
-                                }
-                                f
-                            })
-                        } else {
-                            peer.fill(total - got)
-                        };
+                    let direct = if peer.link.shm.is_some() {
+                        !dst.is_empty()
+                    } else {
+                        dst.len() >= RXBUF / 2 && !(peer.copy.bounce && total <= BOUNCE_MAX)
+                    };
+                    let r = if direct {
+                        peer.read_direct(dst).map(|f| {
+                            if let Fill::Got(n) = f {
+                                got += n;
+                            }
+                            f
+                        })
+                    } else {
+                        peer.fill(total - got)
+                    };
                     let r = match r {
                         Ok(r) => r,
                         Err(e) => {

@@ -38,7 +38,7 @@ impl Engine {
                     if sockbuf != (0, 0) && shm.is_none() {
                         set_buffers(&stream, sockbuf)?;
                     }
-                    let (rxbuf, rx_base) = rx_buffer();
+                    let (rxbuf, rx_base) = rxbuf::rx_buffer();
                     Some(Peer {
                         link: Link { stream, shm },
                         out: VecDeque::new(),
@@ -46,7 +46,7 @@ impl Engine {
                         rx: Rx::Header,
                         rxbuf,
                         rx_base,
-                        copy: CopyRate::default(),
+                        copy: Default::default(),
                         rx_start: rx_base,
                         rx_end: rx_base,
                         dead: None,

@@ -94,7 +94,7 @@ impl State {
                     let direct = if peer.link.shm.is_some() {
                         !dst.is_empty()
                     } else {
-                        dst.len() >= RXBUF / 2 && !(peer.copy.bounce && total <= BOUNCE_MAX)
+                        dst.len() >= RXBUF / 2 && !(peer.copy.bounce && total <= rxbuf::BOUNCE_MAX)
                     };
                     let r = if direct {
                         peer.read_direct(dst).map(|f| {

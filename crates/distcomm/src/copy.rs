@@ -17,6 +17,15 @@
 //! assert_eq!(dst, src);
 //! ```
 
+/// Bytes in a page, as the kernel's `rep movsb` counts a copy's skew (see `transport::shm::cma`).
+pub(crate) const PAGE: usize = 4096;
+
+/// The index in a buffer starting at address `base` whose address lies at `offset` within its
+/// page (modulo [`PAGE`]): where a copy placed in it lies in its page as the other side does.
+pub(crate) fn index_at_page_offset(base: usize, offset: usize) -> usize {
+    offset.wrapping_sub(base) % PAGE
+}
+
 /// Copies below this many bytes go to glibc (it copies them with vector moves, not `rep movsb`).
 const LOOP_MIN: usize = 2 << 10;
 /// Copies from this many bytes go to glibc (its own vector loop and non-temporal stores).

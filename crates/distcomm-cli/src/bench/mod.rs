@@ -4,8 +4,8 @@
 //! Owns: the command line of `bench` ([`BenchArgs`], the [`Suites`] it names), starting its own
 //! ranks when not under a launcher, and the run: which suites at which sizes, the progress bar,
 //! headers and rows, `--json` and `--plot`. The suites ([`p2p`], [`collectives`], [`staging`])
-//! measure, after [`warm`]ing up; [`record`] (a leaf) is what they report and how a row reads; [`plot`] draws
-//! records. Must not know: how any op is run, timed or checked.
+//! measure, after [`warm`]ing up; [`record`] (a leaf) is what they report and how a row reads;
+//! [`plot`] draws records. Must not know: how any op is run, timed or checked.
 
 mod collectives;
 mod p2p;

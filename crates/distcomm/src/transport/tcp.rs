@@ -52,10 +52,10 @@ pub(crate) fn write(
 /// sender's later writes wait in its queue and leave together in one segment; a fixed 1 MiB
 /// sent every message as its own segment, each woken and read on its own (world 4 reduce of
 /// 8 B, alternating runs: 3.0-3.2 segments a call against 1.4-1.9, 11.5-14.0 µs against
-/// 8.5-11.7). Large transfers
-/// were no slower (world 2 all_reduce 1 MiB and 16 MiB, world 4 all_gather, alternating runs),
-/// since autotuning grows the buffer as the stream needs. Across a real network the
-/// bandwidth-delay product needs autotuning both ways, so remote peers keep it.
+/// 8.5-11.7). Large transfers were no slower (world 2 all_reduce 1 MiB and 16 MiB, world 4
+/// all_gather, alternating runs), since autotuning grows the buffer as the stream needs.
+/// Across a real network the bandwidth-delay product needs autotuning both ways, so remote
+/// peers keep it.
 pub const LOCAL_SOCKBUF: (usize, usize) = (128 * 1024, 0);
 
 pub(crate) fn same_host(stream: &TcpStream) -> bool {

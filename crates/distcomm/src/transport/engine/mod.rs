@@ -4,8 +4,9 @@
 //! refusals, reassembly, cancelled keys) are the sans-I/O core's (`transport::protocol`); this
 //! module owns the state behind the lock (queues, pending sends, per-peer I/O state) and its
 //! submodules carry the decisions out: `recv` (headers and posts), `wire` (reading and writing
-//! frames), `rxbuf` (a socket's receive buffer), `lane`, `fetch` (cross-memory copies), `cancel`, `failure` (peer loss, abort,
-//! reclaim), `ops` (the `Engine` API) and `progress` (threads, spinning, `poll(2)`).
+//! frames), `rxbuf` (a socket's receive buffer), `lane`, `fetch` (cross-memory copies),
+//! `cancel`, `failure` (peer loss, abort, reclaim), `ops` (the `Engine` API) and `progress`
+//! (threads, spinning, `poll(2)`).
 //!
 //! It must not know what the layers above use contexts, tags or check words for.
 //!

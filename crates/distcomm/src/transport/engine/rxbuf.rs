@@ -5,10 +5,10 @@
 //! Owns the buffer's placement and the copy rates; knows nothing of frames.
 
 use super::*;
+use crate::copy::{index_at_page_offset, PAGE};
 
 /// Where in its page a peer's receive buffer starts (see [`rx_base`]).
 const RX_PAGE_OFFSET: usize = 2048;
-const PAGE: usize = 4096;
 
 /// A peer's receive buffer: [`RXBUF`] bytes from [`rx_base`].
 pub(super) fn rx_buffer() -> (Box<[u8]>, usize) {
@@ -26,7 +26,7 @@ pub(super) fn rx_buffer() -> (Box<[u8]>, usize) {
 /// reading from 16 bytes past a page, 42 / 62 / 53 / 158 µs; 64 past, 20 / 61 / 71 / 176;
 /// 128, 512, 2048 or 4064 past, 20 / 40-41 / 53-54 / 158-160.
 pub(super) fn rx_base(addr: usize) -> usize {
-    (RX_PAGE_OFFSET + PAGE - addr % PAGE) % PAGE
+    index_at_page_offset(addr, RX_PAGE_OFFSET)
 }
 
 impl Peer {
@@ -84,7 +84,7 @@ const COPY_PROBE: usize = 32 << 10;
 /// ones land in memory, not cache, where a direct copy is slower than the buffer's anyway
 /// (and a second copy costs more): a 64 MiB broadcast over TCP took 1.11-1.36x the time when
 /// they could.
-pub(super) const BOUNCE_MAX: usize = 4 << 20;
+const BOUNCE_MAX: usize = 4 << 20;
 
 /// How fast the kernel copies a socket's data out, learned as reads go. A large payload is read
 /// straight into its destination (no second copy), but the kernel's `rep movsb` runs at a
@@ -101,10 +101,21 @@ pub(super) struct CopyRate {
     /// Bytes per nanosecond of reads into the receive buffer (moving average; 0: none yet).
     staged: f64,
     /// The payload being read goes through the receive buffer from now on.
-    pub(super) bounce: bool,
+    bounce: bool,
 }
 
 impl CopyRate {
+    /// Whether the rest of a payload of `total` bytes may be read straight into its
+    /// destination.
+    pub(super) fn direct(&self, total: usize) -> bool {
+        !self.bounce || total > BOUNCE_MAX
+    }
+
+    /// The payload being read has all arrived: the next one starts reading directly again.
+    pub(super) fn payload_done(&mut self) {
+        self.bounce = false;
+    }
+
     fn rate(n: usize, took: Duration) -> Option<f64> {
         let ns = took.as_nanos();
         (n >= COPY_PROBE && ns > 0).then(|| n as f64 / ns as f64)

@@ -48,7 +48,7 @@ impl State {
                 } => {
                     let total = hdr.payload_len() as usize;
                     if got == total {
-                        peer.copy.bounce = false;
+                        peer.copy.payload_done();
                         match chunk {
                             Some(at) => self.on_chunk_done(p, hdr, target, at),
                             None => self.on_payload_done(p, hdr, target),
@@ -94,7 +94,7 @@ impl State {
                     let direct = if peer.link.shm.is_some() {
                         !dst.is_empty()
                     } else {
-                        dst.len() >= RXBUF / 2 && !(peer.copy.bounce && total <= rxbuf::BOUNCE_MAX)
+                        dst.len() >= RXBUF / 2 && peer.copy.direct(total)
                     };
                     let r = if direct {
                         peer.read_direct(dst).map(|f| {

@@ -4,7 +4,7 @@
 //! Knows addresses and byte counts only.
 
 use super::*;
-use crate::copy::copy_bytes;
+use crate::copy::{copy_bytes, index_at_page_offset, PAGE};
 
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst` (cross-memory attach).
 pub(crate) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
@@ -46,7 +46,7 @@ pub(crate) fn cma_write(pid: i32, addr: u64, src: &[u8]) -> io::Result<()> {
 /// the buffers of `distcomm bench` were: world 2 gather of 64 KiB by direct step 16.5 µs against
 /// the slots' 3.0.
 fn skewed(dst: u64, src: u64) -> bool {
-    (1..32).contains(&(dst.wrapping_sub(src) & 4095))
+    (1..32).contains(&(dst.wrapping_sub(src) % PAGE as u64))
 }
 
 /// Bytes a skewed copy moves per system call, through a bounce buffer that lies at the same
@@ -64,8 +64,8 @@ thread_local! {
 /// destructor).
 fn with_bounce(remote: u64, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()> {
     let mut on = |buf: &mut Vec<u8>| {
-        buf.resize(BOUNCE + 4096, 0);
-        let at = (remote.wrapping_sub(buf.as_ptr() as u64) & 4095) as usize;
+        buf.resize(BOUNCE + PAGE, 0);
+        let at = index_at_page_offset(buf.as_ptr() as usize, remote as usize);
         f(&mut buf[at..at + BOUNCE])
     };
     match BOUNCE_BUF.try_with(|cell| on(&mut cell.borrow_mut())) {

@@ -10,9 +10,10 @@ use crate::reduce::Reducible;
 /// largest use it served: memory a large collective needed once stays reserved for the next.
 #[derive(Default)]
 pub(crate) struct Pool {
-    free: std::sync::Mutex<
-        std::collections::HashMap<std::any::TypeId, Vec<Box<dyn std::any::Any + Send>>>,
-    >,
+    /// Per element type, its free list (a `Vec<Vec<T>>`). Looked up by a scan: a process uses
+    /// a few element types, and neither hashing nor boxing each buffer belongs on the path of
+    /// every small message.
+    free: std::sync::Mutex<Vec<(std::any::TypeId, Box<dyn std::any::Any + Send>)>>,
 }
 
 impl Pool {
@@ -36,10 +37,8 @@ impl Pool {
     /// A kept buffer of `T` as it was given back, or a new empty one.
     fn pop<T: Reducible>(&self) -> Vec<T> {
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.get_mut(&std::any::TypeId::of::<T>())
-            .and_then(|v| v.pop())
-            .and_then(|b| b.downcast::<Vec<T>>().ok())
-            .map(|b| *b)
+        Self::list::<T>(&mut free)
+            .and_then(|l| l.pop())
             .unwrap_or_default()
     }
 
@@ -49,9 +48,57 @@ impl Pool {
             return;
         }
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let list = free.entry(std::any::TypeId::of::<T>()).or_default();
-        if list.len() < Self::PER_TYPE {
-            list.push(Box::new(buf));
+        if Self::list::<T>(&mut free).is_none() {
+            let list: Vec<Vec<T>> = Vec::with_capacity(Self::PER_TYPE);
+            free.push((std::any::TypeId::of::<T>(), Box::new(list)));
         }
+        if let Some(list) = Self::list::<T>(&mut free) {
+            if list.len() < Self::PER_TYPE {
+                list.push(buf);
+            }
+        }
+    }
+
+    /// The free list of `T`, if it has one yet.
+    fn list<T: Reducible>(
+        free: &mut [(std::any::TypeId, Box<dyn std::any::Any + Send>)],
+    ) -> Option<&mut Vec<Vec<T>>> {
+        let id = std::any::TypeId::of::<T>();
+        free.iter_mut()
+            .find(|(t, _)| *t == id)
+            .and_then(|(_, l)| l.downcast_mut::<Vec<Vec<T>>>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pool;
+
+    #[test]
+    fn a_buffer_given_back_is_taken_again_by_its_own_type_only() {
+        let pool = Pool::default();
+        let mut a: Vec<f32> = pool.take_len(1000);
+        a[999] = 7.0;
+        let ptr = a.as_ptr();
+        pool.give(a);
+        // Another element type does not get it.
+        let b: Vec<u8> = pool.take();
+        assert_eq!(b.capacity(), 0);
+        let again: Vec<f32> = pool.take();
+        assert_eq!(again.as_ptr(), ptr);
+        assert!(again.is_empty() && again.capacity() >= 1000);
+    }
+
+    #[test]
+    fn it_keeps_a_few_buffers_per_type_and_drops_the_rest() {
+        let pool = Pool::default();
+        for _ in 0..Pool::PER_TYPE + 3 {
+            pool.give(vec![1i32; 16]);
+        }
+        let kept = (0..Pool::PER_TYPE + 3)
+            .map(|_| pool.take::<i32>())
+            .filter(|v| v.capacity() > 0)
+            .count();
+        assert_eq!(kept, Pool::PER_TYPE);
     }
 }

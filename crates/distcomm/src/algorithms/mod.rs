@@ -437,32 +437,30 @@ pub fn direct_all_to_all(
 /// neither each other nor any range the round sends from its output. Only then may an executor
 /// let transfers touch the buffer in place, concurrently.
 pub fn disjoint_in_place(round: &[Step]) -> bool {
-    if !round
-        .iter()
-        .any(|s| matches!(s, Step::Recv { reduce: false, .. }))
-    {
-        return true;
-    }
-    let mut written: Vec<&Range<usize>> = Vec::new();
-    let mut read: Vec<&Range<usize>> = Vec::new();
-    for st in round {
-        match st {
+    // Pairwise, without allocating: collectives run this on every round of every call.
+    let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
+    round.iter().enumerate().all(|(i, a)| {
+        let Step::Recv {
+            range: w,
+            reduce: false,
+            ..
+        } = a
+        else {
+            return true;
+        };
+        round.iter().enumerate().all(|(j, b)| match b {
             Step::Recv {
                 range,
                 reduce: false,
                 ..
-            } => written.push(range),
+            } => j <= i || !overlap(w, range),
             Step::Send {
                 space: Space::Out,
                 range,
                 ..
-            } => read.push(range),
-            _ => {}
-        }
-    }
-    let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
-    written.iter().enumerate().all(|(i, w)| {
-        written[i + 1..].iter().all(|o| !overlap(w, o)) && read.iter().all(|r| !overlap(w, r))
+            } => !overlap(w, range),
+            _ => true,
+        })
     })
 }
 

@@ -11,6 +11,7 @@
 //! Owns: which schedule runs a call, and running it. Must not know: the API's argument checks
 //! (calls arrive checked, this rank's own block in place) or how messages travel.
 
+use smallvec::SmallVec;
 use std::mem::{size_of, size_of_val};
 use std::ops::Deref;
 use std::time::Duration;
@@ -257,8 +258,8 @@ impl Run<'_> {
             fp,
         };
         for round in sched {
-            let mut recvs = Vec::new();
-            let mut sends = Vec::new();
+            let mut recvs: SmallVec<[_; 4]> = SmallVec::new();
+            let mut sends: SmallVec<[_; 4]> = SmallVec::new();
             // Large transfers of rounds whose ranges do not overlap read and write the caller's
             // buffers in place (no copy); the guard makes the engine let go of them, whatever
             // way this round ends, before the buffers are touched again.
@@ -326,15 +327,20 @@ impl Run<'_> {
                             self.b.post_send(env, Box::new(buf), *peer, self.timeout)?;
                         // A small send of a collective completes once written (no
                         // acknowledgement: a receiver that refuses it cancels the collective on
-                        // every rank); nothing to wait for.
+                        // every rank); nothing to wait for. Written at once (the usual case),
+                        // its buffer goes back to the pool.
                         if std::mem::size_of_val(src) > eager_max {
                             sends.push(w);
+                        } else if w.is_completed() {
+                            if let Ok(buf) = w.take_buffer() {
+                                self.pool.give(buf);
+                            }
                         }
                     }
                 }
             }
-            {
-                let mut all: Vec<&mut dyn Pending> = Vec::with_capacity(recvs.len() + sends.len());
+            if !(recvs.is_empty() && sends.is_empty() && direct.works.is_empty()) {
+                let mut all: SmallVec<[&mut dyn Pending; 8]> = SmallVec::new();
                 all.extend(recvs.iter_mut().map(|(w, _, _)| w as &mut dyn Pending));
                 all.extend(sends.iter_mut().map(|w| w as &mut dyn Pending));
                 all.extend(direct.works.iter_mut().map(|w| w as &mut dyn Pending));

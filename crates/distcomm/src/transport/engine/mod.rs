@@ -412,6 +412,9 @@ struct State {
     cancelled: Cancelled<CancelNote>,
     /// The error of an operation of a cancelled key (the configuration's hook).
     cancel_error: CancelError,
+    /// A spinning waiter's poll set (descriptors, their peers), kept from one wait to the
+    /// next: a fresh one cost two allocations per wait.
+    wait_set: (Vec<libc::pollfd>, Vec<usize>),
 }
 
 /// Hasher of our own message ids (sequential integers, never chosen by a peer): one

@@ -90,6 +90,7 @@ impl Engine {
                 closed: None,
                 cancelled: Cancelled::default(),
                 cancel_error: cfg.cancel_error,
+                wait_set: Default::default(),
             }),
             watch,
             wake_tx,

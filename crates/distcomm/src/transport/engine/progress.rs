@@ -217,8 +217,6 @@ impl Engine {
             let mut idle_since: Option<Instant> = None;
             let mut moved_since_clock = false;
             let mut turns = 0u32;
-            let mut fds = Vec::new();
-            let mut owners = Vec::new();
             loop {
                 if cell.is_done() {
                     break;
@@ -226,6 +224,7 @@ impl Engine {
                 if let Ok(mut st) = self.sh.st.try_lock() {
                     // One peer: read it directly (one system call when data arrives). Several:
                     // one poll(2) over all of them beats a read on each.
+                    let (mut fds, mut owners) = std::mem::take(&mut st.wait_set);
                     fds.clear();
                     owners.clear();
                     st.poll_set(&mut fds, &mut owners, false);
@@ -236,6 +235,7 @@ impl Engine {
                     } else {
                         st.pump_shm(false)
                     };
+                    st.wait_set = (fds, owners);
                     moved_since_clock |= moved;
                 }
                 if cell.is_done() {

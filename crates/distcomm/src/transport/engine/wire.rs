@@ -176,26 +176,25 @@ impl State {
                 }
             };
             progressed = true;
+            // Every frame `written` completes leaves the queue, one at a time (no list: this
+            // runs on every send). What `frame_written` queues goes behind them all. A
+            // zero-length tail frame has been written once its header has.
             let mut n = written;
-            let mut finished = Vec::new();
             while n > 0 {
+                let Some(Some(peer)) = self.peers.get_mut(p) else {
+                    break;
+                };
                 let Some(front) = peer.out.front() else { break };
-                let flen = HEADER_LEN + front.plen;
-                let left = flen - peer.out_off;
-                if n >= left {
-                    n -= left;
-                    peer.out_off = 0;
-                    if let Some(o) = peer.out.pop_front() {
-                        finished.push(o);
-                    }
-                } else {
+                let left = HEADER_LEN + front.plen - peer.out_off;
+                if n < left {
                     peer.out_off += n;
-                    n = 0;
+                    break;
                 }
-            }
-            // A zero-length tail frame has been written once its header has.
-            for o in finished {
-                self.frame_written(p, o);
+                n -= left;
+                peer.out_off = 0;
+                if let Some(o) = peer.out.pop_front() {
+                    self.frame_written(p, o);
+                }
             }
         }
     }

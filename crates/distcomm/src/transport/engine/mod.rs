@@ -86,6 +86,7 @@ mod ops;
 mod progress;
 mod recv;
 mod rxbuf;
+mod txcopy;
 mod wire;
 
 use wire::data_chunk;
@@ -368,6 +369,8 @@ struct Peer {
     rx_base: usize,
     /// How fast the kernel copies this socket's data out (see [`rxbuf::CopyRate`]).
     copy: rxbuf::CopyRate,
+    /// Where a large payload slow to copy into the socket goes on from (see [`txcopy`]).
+    tx: txcopy::TxBounce,
     rx_start: usize,
     rx_end: usize,
     dead: Option<String>,
@@ -415,6 +418,8 @@ struct State {
     /// A spinning waiter's poll set (descriptors, their peers), kept from one wait to the
     /// next: a fresh one cost two allocations per wait.
     wait_set: (Vec<libc::pollfd>, Vec<usize>),
+    /// How fast the kernel copies large writes into socket pages (see [`txcopy`]).
+    tx_rate: txcopy::TxRate,
 }
 
 /// Hasher of our own message ids (sequential integers, never chosen by a peer): one

@@ -144,37 +144,75 @@ impl State {
             if peer.out.is_empty() {
                 return Ok(progressed);
             }
+            // The front frame's payload, when large and going to a socket, is timed (see
+            // `txcopy`): its key, whether its bytes come from the bounce buffer, and how many
+            // bytes of the frame are left.
+            let mut timed = None;
+            let started;
             let written = {
                 let mut iov = [IoSlice::new(&[]); MAX_IOV];
                 let mut k = 0;
                 let mut skip = peer.out_off;
-                for o in peer.out.iter() {
-                    if k + 2 > MAX_IOV {
-                        break;
+                let mut frames = peer.out.iter().peekable();
+                if let Some(o) = frames.peek() {
+                    if peer.link.shm.is_none() && self.tx_rate.times(o.plen) {
+                        let left = HEADER_LEN + o.plen - skip;
+                        timed = o.send_id.map(|id| ((id, o.base), false, left));
                     }
-                    let payload = o
-                        .payload
-                        .as_ref()
-                        .map(|b| &b.bytes()[o.base..o.base + o.plen])
-                        .unwrap_or(&[]);
-                    if skip < HEADER_LEN {
-                        iov[k] = IoSlice::new(&o.hdr[skip..]);
-                        k += 1;
-                        if !payload.is_empty() {
-                            iov[k] = IoSlice::new(payload);
+                }
+                let mut more = true;
+                // The front frame with its header written: the rest of its payload, from the
+                // bounce buffer when a write of it was slow.
+                if skip >= HEADER_LEN {
+                    if let Some(o) = frames.next() {
+                        let rest = o.payload_bytes();
+                        let pos = (skip - HEADER_LEN).min(rest.len());
+                        let bytes = match &mut timed {
+                            Some((key, bounced, _)) => {
+                                let (bytes, early) = peer.tx.next(*key, rest, pos);
+                                *bounced = bytes.as_ptr() != rest[pos..].as_ptr();
+                                // The frame's next bytes come from the next piece.
+                                more = !early;
+                                bytes
+                            }
+                            None => &rest[pos..],
+                        };
+                        if !bytes.is_empty() {
+                            iov[k] = IoSlice::new(bytes);
                             k += 1;
                         }
-                    } else if skip - HEADER_LEN < payload.len() {
-                        iov[k] = IoSlice::new(&payload[skip - HEADER_LEN..]);
+                    }
+                    skip = 0;
+                }
+                for o in frames {
+                    if !more || k + 2 > MAX_IOV {
+                        break;
+                    }
+                    iov[k] = IoSlice::new(&o.hdr[skip..]);
+                    k += 1;
+                    let mut payload = o.payload_bytes();
+                    // A timed payload's first write is short: a slow copy shows early.
+                    if k == 1 && timed.is_some() {
+                        payload = &payload[..txcopy::first_write(payload.len())];
+                        more = false;
+                    }
+                    if !payload.is_empty() {
+                        iov[k] = IoSlice::new(payload);
                         k += 1;
                     }
                     skip = 0;
                 }
+                started = Instant::now();
                 match peer.link.write(&iov[..k])? {
                     0 => return Ok(progressed),
                     n => n,
                 }
             };
+            if let Some((key, bounced, left)) = timed {
+                if self.tx_rate.slow(written, started.elapsed(), bounced) && written < left {
+                    peer.tx.start(key);
+                }
+            }
             progressed = true;
             // Every frame `written` completes leaves the queue, one at a time (no list: this
             // runs on every send). What `frame_written` queues goes behind them all. A
@@ -276,5 +314,15 @@ pub(super) fn data_chunk(
         base,
         plen,
         send_id: Some(msg_id),
+    }
+}
+
+impl Out {
+    /// The bytes this frame carries after its header.
+    fn payload_bytes(&self) -> &[u8] {
+        self.payload
+            .as_ref()
+            .map(|b| &b.bytes()[self.base..self.base + self.plen])
+            .unwrap_or(&[])
     }
 }

@@ -48,13 +48,13 @@ impl Pool {
             return;
         }
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if Self::list::<T>(&mut free).is_none() {
-            let list: Vec<Vec<T>> = Vec::with_capacity(Self::PER_TYPE);
-            free.push((std::any::TypeId::of::<T>(), Box::new(list)));
-        }
-        if let Some(list) = Self::list::<T>(&mut free) {
-            if list.len() < Self::PER_TYPE {
+        match Self::list::<T>(&mut free) {
+            Some(list) if list.len() < Self::PER_TYPE => list.push(buf),
+            Some(_) => {}
+            None => {
+                let mut list: Vec<Vec<T>> = Vec::with_capacity(Self::PER_TYPE);
                 list.push(buf);
+                free.push((std::any::TypeId::of::<T>(), Box::new(list)));
             }
         }
     }

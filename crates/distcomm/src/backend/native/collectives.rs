@@ -244,7 +244,8 @@ impl Run<'_> {
         out: &mut [T],
         inp: &[T],
     ) -> Result<()> {
-        // Fixed once the first round's messages are posted: off the path to the first send.
+        // Fixed once the first round that waits has posted its messages: off the path to the
+        // first send.
         let mut deadline = Deadline::after(self.timeout);
         let fp = call.fingerprint();
         let name = call.kind.name();

@@ -92,6 +92,7 @@ impl Engine {
                 cancelled: Cancelled::default(),
                 cancel_error: cfg.cancel_error,
                 wait_set: Default::default(),
+                // Ranks outnumbering cores (they yield when they spin): timing writes is off.
                 tx_rate: txcopy::TxRate::new(cfg.yield_spin),
             }),
             watch,

@@ -15,13 +15,19 @@
 use super::*;
 use crate::copy::{index_at_page_offset, PAGE};
 
-/// Writes of at least this many bytes time the kernel's copy.
-const PROBE: usize = 32 << 10;
+/// Writes of at least this many bytes time the kernel's copy. Smaller ones take as long in
+/// the rest of the write (64 KiB: 1.6-3.0 GB/s from the bounce buffer, 1.6-1.9 from a badly
+/// placed source).
+const PROBE: usize = 128 << 10;
 /// A write at under the best speed seen divided by this is slow.
 const SLOW: f64 = 2.5;
 /// The best speed seen fades by this factor with every timed write, so that it follows the
-/// machine when it slows down (these machines change speed from minute to minute).
-const FADE: f64 = 0.98;
+/// machine when it slows down (these machines change speed from minute to minute), slowly
+/// enough to last from one probe to the next.
+const FADE: f64 = 0.995;
+/// One payload in this many goes through the bounce buffer from its start (see
+/// [`TxRate::probe`]).
+const PROBE_EVERY: u64 = 16;
 /// The bounce buffer takes a payload on in pieces this large: still in cache when the kernel
 /// copies them, and what it holds per peer.
 const PIECE: usize = 256 << 10;
@@ -32,6 +38,8 @@ const PIECE: usize = 256 << 10;
 pub(super) struct TxRate {
     /// Bytes per nanosecond, the best seen lately (0: none yet).
     best: f64,
+    /// Payloads timed so far.
+    payloads: u64,
     /// Nothing is timed: ranks outnumber cores, and a write preempted halfway would look slow
     /// (world 4 on 2 cores, timed: gather 256 KiB 1.18x, all_to_all 16 MiB 1.16x the time).
     off: bool,
@@ -40,25 +48,38 @@ pub(super) struct TxRate {
 impl TxRate {
     /// Writes are timed unless `off`.
     pub(super) fn new(off: bool) -> Self {
-        TxRate { best: 0.0, off }
+        TxRate {
+            best: 0.0,
+            payloads: 0,
+            off,
+        }
     }
 
-    /// Whether writes of a payload of `len` bytes are timed.
+    /// Whether writes of a message of `len` bytes are timed.
     pub(super) fn times(&self, len: usize) -> bool {
         !self.off && (PROBE..=TIMED_MAX).contains(&len)
     }
 
+    /// Whether the payload about to be written goes through the bounce buffer whole, to learn
+    /// what a well-placed write takes: the first of all and one in
+    /// [`PROBE_EVERY`] (a process whose every payload lies badly would otherwise never see a
+    /// better speed).
+    pub(super) fn probe(&mut self) -> bool {
+        let probe = self.best == 0.0 || self.payloads % PROBE_EVERY == 0;
+        self.payloads += 1;
+        probe
+    }
+
     /// Notes a write of `n` bytes of one payload that took `took`, from the bounce buffer or
-    /// not; returns whether the payload should go on through the bounce buffer. The first
-    /// timed write of all is taken as slow, so that the bounce buffer's speed is learned too:
-    /// a process whose every payload lies badly would otherwise never see a better speed.
+    /// not; returns whether it was slow: the rest of the payload should go on through the
+    /// bounce buffer.
     pub(super) fn slow(&mut self, n: usize, took: Duration, bounced: bool) -> bool {
         let ns = took.as_nanos();
         if n < PROBE || ns == 0 {
             return false;
         }
         let r = n as f64 / ns as f64;
-        let slow = !bounced && (self.best == 0.0 || r < self.best / SLOW);
+        let slow = !bounced && r < self.best / SLOW;
         self.best = r.max(self.best * FADE);
         slow
     }
@@ -68,12 +89,6 @@ impl TxRate {
 /// them once more costs more than a slow kernel copy (broadcast over TCP, world 2, with them:
 /// 16 MiB 1.52x, 64 MiB 1.72x the time).
 const TIMED_MAX: usize = 4 << 20;
-
-/// How much of a timed payload of `len` bytes its first write takes: enough to time, little
-/// enough that a slow copy costs little before the rest goes through the bounce buffer.
-pub(super) fn first_write(len: usize) -> usize {
-    len.min(2 * PROBE)
-}
 
 /// A socket peer's bounce buffer: bytes `from..to` of the payload of frame `key` (its send and
 /// where the frame starts in the message), copied to `buf[base..]`.
@@ -130,15 +145,17 @@ mod tests {
         let mut r = TxRate::new(false);
         assert!(r.times(PROBE) && r.times(TIMED_MAX) && !r.times(TIMED_MAX + 1));
         assert!(!TxRate::new(true).times(PROBE));
-        let ms = Duration::from_millis;
-        // The first timed write is taken as slow, to learn the bounce buffer's speed.
-        assert!(r.slow(1 << 20, ms(1), false));
-        // Writes from the bounce buffer are never slow; they raise the best speed.
-        assert!(!r.slow(1 << 20, Duration::from_micros(200), true));
-        assert!(r.slow(1 << 20, ms(1), false));
-        assert!(!r.slow(1 << 20, Duration::from_micros(300), false));
+        let us = Duration::from_micros;
+        // The first payload of all is a probe, and one in PROBE_EVERY after it.
+        assert!(r.probe());
+        // A write from the bounce buffer is never slow; it sets the speed to expect.
+        assert!(!r.slow(256 << 10, us(40), true));
+        assert!((1..PROBE_EVERY).all(|_| !r.probe()));
+        assert!(r.probe());
+        assert!(r.slow(256 << 10, us(120), false));
+        assert!(!r.slow(256 << 10, us(48), false));
         // Small writes are not timed.
-        assert!(!r.slow(PROBE - 1, ms(10), false));
+        assert!(!r.slow(PROBE - 1, us(1000), false));
     }
 
     #[test]
@@ -154,7 +171,8 @@ mod tests {
         loop {
             let (bytes, early) = b.next((1, 0), &payload, pos);
             assert_eq!(bytes, &payload[pos..pos + bytes.len()]);
-            let shift = (bytes.as_ptr() as usize + PAGE - payload[pos..].as_ptr() as usize) % PAGE;
+            let shift =
+                (bytes.as_ptr() as usize).wrapping_sub(payload[pos..].as_ptr() as usize) % PAGE;
             assert_eq!(shift, PAGE / 2);
             let (len, first) = (bytes.len(), bytes.as_ptr());
             pieces += 1;

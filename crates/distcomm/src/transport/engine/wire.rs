@@ -152,64 +152,66 @@ impl State {
             let written = {
                 let mut iov = [IoSlice::new(&[]); MAX_IOV];
                 let mut k = 0;
-                let mut skip = peer.out_off;
-                let mut frames = peer.out.iter().peekable();
-                if let Some(o) = frames.peek() {
-                    if peer.link.shm.is_none() && self.tx_rate.times(o.plen) {
-                        let left = HEADER_LEN + o.plen - skip;
-                        timed = o.send_id.map(|id| ((id, o.base), false, left));
-                    }
-                }
+                let skip = peer.out_off;
+                let mut frames = peer.out.iter();
                 let mut more = true;
-                // The front frame with its header written: the rest of its payload, from the
-                // bounce buffer when a write of it was slow.
-                if skip >= HEADER_LEN {
-                    if let Some(o) = frames.next() {
-                        let rest = o.payload_bytes();
-                        let pos = (skip - HEADER_LEN).min(rest.len());
-                        let bytes = match &mut timed {
-                            Some((key, bounced, _)) => {
-                                let (bytes, early) = peer.tx.next(*key, rest, pos);
-                                *bounced = bytes.as_ptr() != rest[pos..].as_ptr();
-                                // The frame's next bytes come from the next piece.
-                                more = !early;
-                                bytes
+                if let Some(o) = frames.next() {
+                    let rest = o.payload_bytes();
+                    // By the whole message's size (a Data frame carries one chunk of it).
+                    let message = o.payload.as_ref().map_or(0, |b| b.bytes().len());
+                    let first = skip < HEADER_LEN;
+                    if peer.link.shm.is_none() && !rest.is_empty() && self.tx_rate.times(message) {
+                        if let Some(id) = o.send_id {
+                            let key = (id, o.base);
+                            // Now and then a payload goes through the bounce buffer from its
+                            // start: the speed to expect.
+                            if first && self.tx_rate.probe() {
+                                peer.tx.start(key);
                             }
-                            None => &rest[pos..],
-                        };
-                        if !bytes.is_empty() {
-                            iov[k] = IoSlice::new(bytes);
-                            k += 1;
+                            timed = Some((key, false, HEADER_LEN + o.plen - skip));
                         }
                     }
-                    skip = 0;
+                    if first {
+                        iov[k] = IoSlice::new(&o.hdr[skip..]);
+                        k += 1;
+                    }
+                    let pos = skip.saturating_sub(HEADER_LEN).min(rest.len());
+                    let bytes = match &mut timed {
+                        Some((key, bounced, _)) => {
+                            let (bytes, early) = peer.tx.next(*key, rest, pos);
+                            *bounced = bytes.as_ptr() != rest[pos..].as_ptr();
+                            // The frame's next bytes come from the next piece: nothing after
+                            // them.
+                            more = !early;
+                            bytes
+                        }
+                        None => &rest[pos..],
+                    };
+                    if !bytes.is_empty() {
+                        iov[k] = IoSlice::new(bytes);
+                        k += 1;
+                    }
                 }
                 for o in frames {
                     if !more || k + 2 > MAX_IOV {
                         break;
                     }
-                    iov[k] = IoSlice::new(&o.hdr[skip..]);
+                    iov[k] = IoSlice::new(&o.hdr);
                     k += 1;
-                    let mut payload = o.payload_bytes();
-                    // A timed payload's first write is short: a slow copy shows early.
-                    if k == 1 && timed.is_some() {
-                        payload = &payload[..txcopy::first_write(payload.len())];
-                        more = false;
-                    }
+                    let payload = o.payload_bytes();
                     if !payload.is_empty() {
                         iov[k] = IoSlice::new(payload);
                         k += 1;
                     }
-                    skip = 0;
                 }
-                started = Instant::now();
+                started = timed.is_some().then(Instant::now);
                 match peer.link.write(&iov[..k])? {
                     0 => return Ok(progressed),
                     n => n,
                 }
             };
-            if let Some((key, bounced, left)) = timed {
-                if self.tx_rate.slow(written, started.elapsed(), bounced) && written < left {
+            if let (Some((key, bounced, left)), Some(t)) = (timed, started) {
+                if self.tx_rate.slow(written, t.elapsed(), bounced) && written < left {
                     peer.tx.start(key);
                 }
             }

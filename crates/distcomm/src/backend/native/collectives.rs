@@ -322,8 +322,7 @@ impl Run<'_> {
                             direct.works.push(w);
                             continue;
                         }
-                        let mut buf: Vec<T> = self.pool.take();
-                        buf.extend_from_slice(src);
+                        let buf: Vec<T> = self.pool.copy_of(src);
                         let w: Work<Vec<T>> =
                             self.b.post_send(env, Box::new(buf), *peer, self.timeout)?;
                         // A small send of a collective completes once written (no
@@ -614,8 +613,7 @@ impl Run<'_> {
             }
             None => {
                 // A pooled working copy: a fresh one of a large input is page faults every call.
-                let mut work = self.pool.take();
-                work.extend_from_slice(input);
+                let mut work = self.pool.copy_of(input);
                 let done = self.execute(&call, tag, &sched, &mut work, &[]);
                 if done.is_ok() {
                     copy(output, &work[mine]);

@@ -609,8 +609,7 @@ impl Run<'_> {
                 if chunked_reduce_scatter(widened::<T>(size_of_val(input)), arena) {
                     // Larger: every rank reduces its share of a working copy, as all_reduce
                     // does, and takes its block of the result.
-                    let mut work: Vec<T> = self.pool.take();
-                    work.extend_from_slice(input);
+                    let mut work: Vec<T> = self.pool.copy_of(input);
                     let block = me * k..(me + 1) * k;
                     let done = chunked_reduce(arena, &s, (&mut work, block.clone()), op);
                     if done.is_ok() {

@@ -34,13 +34,20 @@ impl Pool {
         v
     }
 
-    /// A buffer holding a copy of `src`, made with [`crate::copy::copy`]: `extend_from_slice`
-    /// goes to glibc's `memcpy`, whose `rep movsb` ran a 64 KiB send's copy at a third of its
-    /// speed when the two buffers lay badly in their pages (broadcast over TCP, world 2: 17 or
-    /// 47-52 µs by the run).
+    /// A buffer holding a copy of `src`, made with [`crate::copy::copy`] when the buffer is
+    /// long enough already: `extend_from_slice` goes to glibc's `memcpy`, whose `rep movsb` is
+    /// slow where the two buffers lie badly in their pages (see `crate::copy`; 11 % of a world
+    /// 2 broadcast of 64 KiB over TCP in a slow run went there).
     pub(crate) fn copy_of<T: Reducible>(&self, src: &[T]) -> Vec<T> {
-        let mut v = self.take_len(src.len());
-        crate::copy::copy(&mut v, src);
+        let mut v: Vec<T> = self.pop();
+        if v.len() >= src.len() {
+            v.truncate(src.len());
+            crate::copy::copy(&mut v, src);
+        } else {
+            // Too short: zeroing it before the copy would cost a pass over fresh memory.
+            v.clear();
+            v.extend_from_slice(src);
+        }
         v
     }
 

@@ -420,6 +420,8 @@ struct State {
     wait_set: (Vec<libc::pollfd>, Vec<usize>),
     /// How fast the kernel copies large writes into socket pages (see [`txcopy`]).
     tx_rate: txcopy::TxRate,
+    /// Buffers of unexpected eager payloads, kept for the next ones (`State::temp_buffer`).
+    spare_temps: Vec<Vec<u8>>,
 }
 
 /// Hasher of our own message ids (sequential integers, never chosen by a peer): one

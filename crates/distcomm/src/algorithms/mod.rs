@@ -16,6 +16,7 @@
 //! | all_gather, reduce_scatter | recursive doubling / halving (log₂ n rounds; ring for other worlds) | the same |
 //! | gather, scatter, all_to_all | direct | direct |
 
+use smallvec::SmallVec;
 use std::ops::Range;
 
 /// Which of a rank's two buffers a range refers to.
@@ -437,30 +438,27 @@ pub fn direct_all_to_all(
 /// neither each other nor any range the round sends from its output. Only then may an executor
 /// let transfers touch the buffer in place, concurrently.
 pub fn disjoint_in_place(round: &[Step]) -> bool {
-    // Pairwise, without allocating: collectives run this on every round of every call.
-    let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
-    round.iter().enumerate().all(|(i, a)| {
-        let Step::Recv {
-            range: w,
-            reduce: false,
-            ..
-        } = a
-        else {
-            return true;
-        };
-        round.iter().enumerate().all(|(j, b)| match b {
+    // On the stack for the usual few steps: collectives run this on every round of every call.
+    let mut written: SmallVec<[&Range<usize>; 8]> = SmallVec::new();
+    let mut read: SmallVec<[&Range<usize>; 8]> = SmallVec::new();
+    for st in round {
+        match st {
             Step::Recv {
                 range,
                 reduce: false,
                 ..
-            } => j <= i || !overlap(w, range),
+            } => written.push(range),
             Step::Send {
                 space: Space::Out,
                 range,
                 ..
-            } => !overlap(w, range),
-            _ => true,
-        })
+            } => read.push(range),
+            _ => {}
+        }
+    }
+    let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
+    written.iter().enumerate().all(|(i, w)| {
+        written[i + 1..].iter().all(|o| !overlap(w, o)) && read.iter().all(|r| !overlap(w, r))
     })
 }
 

@@ -78,6 +78,13 @@ impl Peer {
     }
 }
 
+/// The speed of a copy of `n` bytes that took `took`, in bytes per nanosecond, when it is one
+/// to go by: at least `min` bytes, and measurable.
+pub(super) fn rate(n: usize, took: Duration, min: usize) -> Option<f64> {
+    let ns = took.as_nanos();
+    (n >= min && ns > 0).then(|| n as f64 / ns as f64)
+}
+
 /// Reads of at least this many bytes time the kernel's copy.
 const COPY_PROBE: usize = 32 << 10;
 /// Payloads up to this size go through the receive buffer once a direct read was slow; larger
@@ -116,14 +123,9 @@ impl CopyRate {
         self.bounce = false;
     }
 
-    fn rate(n: usize, took: Duration) -> Option<f64> {
-        let ns = took.as_nanos();
-        (n >= COPY_PROBE && ns > 0).then(|| n as f64 / ns as f64)
-    }
-
     /// Notes a read of `n` bytes into the receive buffer that took `took`.
     fn staged(&mut self, n: usize, took: Duration) {
-        if let Some(r) = Self::rate(n, took) {
+        if let Some(r) = rate(n, took, COPY_PROBE) {
             self.staged = if self.staged == 0.0 {
                 r
             } else {
@@ -136,7 +138,7 @@ impl CopyRate {
     /// third of its speed. Measured (GB/s): reads into the buffer 6-14; direct reads 5-16 where
     /// the pages lie well (less in memory than in cache), 1-2 where they do not.
     fn slow(&self, n: usize, took: Duration) -> bool {
-        Self::rate(n, took).is_some_and(|r| self.staged > 0.0 && r < self.staged / 3.0)
+        rate(n, took, COPY_PROBE).is_some_and(|r| self.staged > 0.0 && r < self.staged / 3.0)
     }
 }
 

@@ -73,11 +73,9 @@ impl TxRate {
     /// not; returns whether it was slow: the rest of the payload should go on through the
     /// bounce buffer.
     pub(super) fn slow(&mut self, n: usize, took: Duration, bounced: bool) -> bool {
-        let ns = took.as_nanos();
-        if n < PROBE || ns == 0 {
+        let Some(r) = super::rxbuf::rate(n, took, PROBE) else {
             return false;
-        }
-        let r = n as f64 / ns as f64;
+        };
         let slow = !bounced && r < self.best / SLOW;
         self.best = r.max(self.best * FADE);
         slow

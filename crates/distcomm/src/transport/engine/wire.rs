@@ -157,10 +157,11 @@ impl State {
                 let mut more = true;
                 if let Some(o) = frames.next() {
                     let rest = o.payload_bytes();
-                    // By the whole message's size (a Data frame carries one chunk of it).
-                    let message = o.payload.as_ref().map_or(0, |b| b.bytes().len());
                     let first = skip < HEADER_LEN;
-                    if peer.link.shm.is_none() && !rest.is_empty() && self.tx_rate.times(message) {
+                    // By the whole message's size (a Data frame carries one chunk of it).
+                    let message = || o.payload.as_ref().map_or(0, |b| b.bytes().len());
+                    if peer.link.shm.is_none() && !rest.is_empty() && self.tx_rate.times(message())
+                    {
                         if let Some(id) = o.send_id {
                             let key = (id, o.base);
                             // Now and then a payload goes through the bounce buffer from its

@@ -380,6 +380,9 @@ struct Peer {
     /// [`LANE_ACKS`] (empty for TCP peers), and how many of them are [`LaneWait::Op`].
     lane_waits: Vec<Option<LaneWait>>,
     lane_ops: usize,
+    /// Whether the progress thread's latest poll set asks for this socket's writability (then
+    /// a backlog queued here since needs no wake-up: see [`Engine::nudge`]).
+    out_watched: bool,
 }
 
 /// A large receive whose buffer address went to a shared-memory peer (Rput): the peer writes

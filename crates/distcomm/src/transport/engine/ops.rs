@@ -60,6 +60,7 @@ impl Engine {
                             .map(|_| None)
                             .collect(),
                         lane_ops: 0,
+                        out_watched: false,
                     })
                 }
             });
@@ -227,7 +228,7 @@ impl Engine {
         if let Err(reason) = st.pump_tx(dst) {
             st.mark_dead(dst, reason);
         }
-        let backlog = matches!(st.peers.get(dst), Some(Some(p)) if !p.out.is_empty());
+        let backlog = st.unwatched_backlog(Some(dst));
         drop(st);
         self.nudge(backlog);
         (id, cell)
@@ -263,15 +264,15 @@ impl Engine {
             buf,
             cell: cell.clone(),
         });
-        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        let backlog = st.unwatched_backlog(None);
         drop(st);
         self.nudge(backlog);
         (id, cell)
     }
 
     /// After posting: if frames wait to be written and the progress thread sleeps on the
-    /// sockets with an interest set that predates them, wake it so that it watches for
-    /// writability. While waiters spin (or just spun) they write the backlog themselves, and a
+    /// sockets with an interest set that predates them ([`State::unwatched_backlog`]), wake it
+    /// so that it watches for writability. While waiters spin (or just spun) they write the backlog themselves, and a
     /// reply left queued there usually leaves together with the next message.
     pub(super) fn nudge(&self, backlog: bool) {
         if backlog && self.sh.watching.load(Ordering::Acquire) {
@@ -325,7 +326,7 @@ impl Engine {
                 st.mark_dead(p, reason);
             }
         }
-        let backlog = st.peers.iter().flatten().any(|p| !p.out.is_empty());
+        let backlog = st.unwatched_backlog(None);
         drop(st);
         self.nudge(backlog);
     }

@@ -25,22 +25,27 @@ impl State {
 
     /// Fills `fds`/`owners` with every live peer's socket: readable always, writable when
     /// frames are queued. Shared-memory peers' sockets only carry doorbells: they are included
-    /// with `doorbells` (to sleep on), left out otherwise (their rings are checked directly).
+    /// with `doorbells` (the progress thread's set, to sleep on), left out otherwise (their
+    /// rings are checked directly). The progress thread's set is noted per peer (`out_watched`).
     pub(super) fn poll_set(
-        &self,
+        &mut self,
         fds: &mut Vec<libc::pollfd>,
         owners: &mut Vec<usize>,
         doorbells: bool,
     ) {
-        for (p, peer) in self.peers.iter().enumerate() {
-            if let Some(peer) = peer.as_ref().filter(|x| x.dead.is_none()) {
+        for (p, peer) in self.peers.iter_mut().enumerate() {
+            if let Some(peer) = peer.as_mut().filter(|x| x.dead.is_none()) {
                 let shm = peer.link.shm.is_some();
                 if shm && !doorbells {
                     continue;
                 }
                 let mut events = libc::POLLIN;
-                if !shm && !peer.out.is_empty() {
+                let out = !shm && !peer.out.is_empty();
+                if out {
                     events |= libc::POLLOUT;
+                }
+                if doorbells {
+                    peer.out_watched = out;
                 }
                 fds.push(libc::pollfd {
                     fd: peer.link.stream.as_raw_fd(),
@@ -49,6 +54,18 @@ impl State {
                 });
                 owners.push(p);
             }
+        }
+    }
+
+    /// Whether frames wait to be written to `peer` (`None`: any peer) that the progress
+    /// thread's latest poll set does not watch for: only then must a poster wake it. (A set
+    /// that asked for writability when it was built still does, whatever was queued since;
+    /// the thread builds it again under this lock after every wake-up.)
+    pub(super) fn unwatched_backlog(&self, peer: Option<usize>) -> bool {
+        let unwatched = |p: &Peer| !p.out.is_empty() && !p.out_watched;
+        match peer {
+            Some(p) => matches!(self.peers.get(p), Some(Some(x)) if unwatched(x)),
+            None => self.peers.iter().flatten().any(unwatched),
         }
     }
 
@@ -337,7 +354,7 @@ impl Shared {
             self.watching.store(!spinning, Ordering::Release);
             let mut busy = false;
             if !spinning {
-                let st = self.lock();
+                let mut st = self.lock();
                 st.poll_set(&mut fds, &mut owners, true);
                 busy = st.prepare_sleep();
             }

@@ -31,6 +31,7 @@ impl Link {
         }
         Ok(match super::tcp::read(&mut self.stream, dst)? {
             0 => Fill::Empty,
+            n if n < dst.len() => Fill::Drained(n),
             n => Fill::Got(n),
         })
     }
@@ -73,5 +74,18 @@ impl Link {
 
 pub(crate) enum Fill {
     Got(usize),
+    /// Fewer bytes than asked from a socket: it held no more, and another read now would
+    /// most likely find it empty (a system call for nothing; poll(2) says when more came).
+    Drained(usize),
     Empty,
+}
+
+impl Fill {
+    /// Bytes read.
+    pub(crate) fn bytes(&self) -> usize {
+        match *self {
+            Fill::Got(n) | Fill::Drained(n) => n,
+            Fill::Empty => 0,
+        }
+    }
 }

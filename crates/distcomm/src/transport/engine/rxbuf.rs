@@ -51,11 +51,10 @@ impl Peer {
         let timed = self.link.shm.is_none() && want >= COPY_PROBE;
         let t = timed.then(Instant::now);
         let r = self.link.read(&mut self.rxbuf[self.rx_end..end])?;
-        if let Fill::Got(n) = r {
-            self.rx_end += n;
-            if let Some(t) = t {
-                self.copy.staged(n, t.elapsed());
-            }
+        let n = r.bytes();
+        self.rx_end += n;
+        if let (Some(t), true) = (t, n > 0) {
+            self.copy.staged(n, t.elapsed());
         }
         Ok(r)
     }
@@ -69,10 +68,8 @@ impl Peer {
         }
         let t = Instant::now();
         let r = self.link.read(dst)?;
-        if let Fill::Got(n) = r {
-            if self.copy.slow(n, t.elapsed()) {
-                self.copy.bounce = true;
-            }
+        if r.bytes() > 0 && self.copy.slow(r.bytes(), t.elapsed()) {
+            self.copy.bounce = true;
         }
         Ok(r)
     }

@@ -11,6 +11,7 @@ impl State {
     pub(super) fn pump_rx(&mut self, p: usize) -> std::result::Result<bool, String> {
         let mut progressed = false;
         let mut budget = READ_BUDGET;
+        let mut drained = false;
         loop {
             let Some(Some(peer)) = self.peers.get_mut(p) else {
                 return Ok(progressed);
@@ -31,12 +32,20 @@ impl State {
                         progressed = true;
                         continue;
                     }
-                    if budget == 0 {
+                    // The last read, for a header, found the socket drained: what came is
+                    // handled, the next frame is left to poll(2) (reading now would mostly
+                    // find nothing, a system call for nothing per pump). After reads within a
+                    // payload, reading goes on: a large message streams in while we read.
+                    if budget == 0 || drained {
                         return Ok(progressed);
                     }
                     let want = HEADER_LEN - (peer.rx_end - peer.rx_start);
                     match peer.fill(want)? {
                         Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Drained(n) => {
+                            budget = budget.saturating_sub(n);
+                            drained = true;
+                        }
                         Fill::Empty => return Ok(progressed),
                     }
                 }
@@ -97,12 +106,7 @@ impl State {
                         dst.len() >= RXBUF / 2 && peer.copy.direct(total)
                     };
                     let r = if direct {
-                        peer.read_direct(dst).map(|f| {
-                            if let Fill::Got(n) = f {
-                                got += n;
-                            }
-                            f
-                        })
+                        peer.read_direct(dst).inspect(|f| got += f.bytes())
                     } else {
                         peer.fill(total - got)
                     };
@@ -126,7 +130,10 @@ impl State {
                         chunk,
                     };
                     match r {
-                        Fill::Got(n) => budget = budget.saturating_sub(n),
+                        Fill::Got(n) | Fill::Drained(n) => {
+                            budget = budget.saturating_sub(n);
+                            drained = false;
+                        }
                         Fill::Empty => return Ok(progressed),
                     }
                 }

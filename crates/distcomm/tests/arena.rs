@@ -56,6 +56,35 @@ fn arena_collectives_in_small_slots() {
     );
 }
 
+/// A root whose small broadcasts need nobody to wait for runs ahead of the others, by more
+/// calls than the arena has control lines: it must wait for the slowest before it writes a
+/// line again, and every rank still gets every call's value, in order (a rank that sleeps now
+/// and then falls far behind; broadcasts of slot size in between).
+#[test]
+fn arena_root_running_ahead_reuses_no_line_too_early() {
+    run_native_env(
+        "arena_root_running_ahead_reuses_no_line_too_early",
+        &[2, 3],
+        &[],
+        |g: &ProcessGroup| {
+            let (n, r) = (g.size(), g.rank());
+            for i in 0..2000i64 {
+                if r == n - 1 && i % 500 == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let mut v = if r == 0 { [i, !i] } else { [0, 0] };
+                g.broadcast(&mut v, 0).unwrap();
+                assert_eq!(v, [i, !i], "rank {r}: call {i}");
+                if i % 300 == 0 {
+                    let mut big: Vec<i64> = vec![if r == 0 { i } else { 0 }; 1000];
+                    g.broadcast(&mut big, 0).unwrap();
+                    assert!(big.iter().all(|&x| x == i), "rank {r}: call {i} (slots)");
+                }
+            }
+        },
+    );
+}
+
 /// Large all_reduces (from 32 MiB, ranks not outnumbering cores: world 2 here) take two direct
 /// steps, reduces on two ranks one: every element type's result as the slots give it (integer
 /// averages, 16-bit floats rounded once), lengths that do not divide among the ranks, a reduce

@@ -272,8 +272,9 @@ impl Engine {
 
     /// After posting: if frames wait to be written and the progress thread sleeps on the
     /// sockets with an interest set that predates them ([`State::unwatched_backlog`]), wake it
-    /// so that it watches for writability. While waiters spin (or just spun) they write the backlog themselves, and a
-    /// reply left queued there usually leaves together with the next message.
+    /// so that it watches for writability. While waiters spin (or just spun) they write the
+    /// backlog themselves, and a reply left queued there usually leaves together with the next
+    /// message.
     pub(super) fn nudge(&self, backlog: bool) {
         if backlog && self.sh.watching.load(Ordering::Acquire) {
             self.sh.poke();

@@ -4,20 +4,37 @@
 
 use crate::reduce::Reducible;
 
-/// Scratch buffers for collectives, by element type, so that large transfers reuse memory
-/// instead of faulting in fresh pages every time (receive buffers, 16-bit floats widened to
-/// `f32`, reduce_scatter's working copy). Holds a few buffers per type, each as large as the
-/// largest use it served: memory a large collective needed once stays reserved for the next.
-#[derive(Default)]
+/// Scratch buffers, by element type, so that large transfers reuse memory instead of faulting
+/// in fresh pages every time (collectives' receive buffers, 16-bit floats widened to `f32`,
+/// reduce_scatter's working copy; the engine's buffers of unexpected payloads). Holds a few
+/// buffers per type, each as large as the largest use it served: memory a large operation
+/// needed once stays reserved for the next.
 pub(crate) struct Pool {
+    /// Buffers kept per element type.
+    keep: usize,
     /// Per element type, its free list (a `Vec<Vec<T>>`). Looked up by a scan: a process uses
     /// a few element types, and neither hashing nor boxing each buffer belongs on the path of
     /// every small message.
     free: std::sync::Mutex<Vec<(std::any::TypeId, Box<dyn std::any::Any + Send>)>>,
 }
 
+impl Default for Pool {
+    fn default() -> Pool {
+        Pool::keeping(Pool::PER_TYPE)
+    }
+}
+
 impl Pool {
+    /// Buffers kept per element type by default.
     const PER_TYPE: usize = 4;
+
+    /// A pool that keeps up to `keep` buffers per element type.
+    pub(crate) fn keeping(keep: usize) -> Pool {
+        Pool {
+            keep,
+            free: Default::default(),
+        }
+    }
 
     /// An empty buffer, with capacity left over from earlier use when there is one.
     pub(crate) fn take<T: Reducible>(&self) -> Vec<T> {
@@ -66,10 +83,10 @@ impl Pool {
         }
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         match Self::list::<T>(&mut free) {
-            Some(list) if list.len() < Self::PER_TYPE => list.push(buf),
+            Some(list) if list.len() < self.keep => list.push(buf),
             Some(_) => {}
             None => {
-                let mut list: Vec<Vec<T>> = Vec::with_capacity(Self::PER_TYPE);
+                let mut list: Vec<Vec<T>> = Vec::with_capacity(self.keep);
                 list.push(buf);
                 free.push((std::any::TypeId::of::<T>(), Box::new(list)));
             }

@@ -95,7 +95,7 @@ impl Engine {
                 wait_set: Default::default(),
                 // Ranks outnumbering cores (they yield when they spin): timing writes is off.
                 tx_rate: txcopy::TxRate::new(cfg.yield_spin),
-                spare_temps: Vec::new(),
+                spare_temps: Pool::keeping(SPARE_TEMPS),
             }),
             watch,
             wake_tx,

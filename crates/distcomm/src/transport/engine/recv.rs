@@ -7,9 +7,6 @@
 
 use super::*;
 
-/// Buffers of unexpected eager payloads kept for reuse (each at most an eager message).
-const SPARE_TEMPS: usize = 16;
-
 impl State {
     /// Sends the control frame `hdr` (a reply: Ack, Nack, Cts) to `p`; a reply to ourselves
     /// (a self-send) is handled in place. A self-send never uses Rts, so such a reply is Ack or
@@ -115,27 +112,9 @@ impl State {
     pub(super) fn deliver_eager(&mut self, src: usize, h: Header, data: Vec<u8>) {
         if let Some((mut r, data)) = self.match_arrived(src, &h, data) {
             copy_bytes(&mut r.buf.bytes_mut()[..data.len()], &data);
-            self.recycle(data);
+            self.spare_temps.give(data);
             self.answer(src, &h, None);
             complete_recv(r, src, &h);
-        }
-    }
-
-    /// A buffer of `len` bytes for an eager payload that arrives before its receive is posted:
-    /// one kept from an earlier such message when there is one. A fresh zeroed buffer each time
-    /// faulted its pages in on every message once a receiver had fallen behind, which kept it
-    /// behind: world 2 broadcast of 64 KiB over TCP took 17 µs per call in most runs and 47-53
-    /// µs in some, with page faults and page clearing in the profile of those.
-    pub(super) fn temp_buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut v = self.spare_temps.pop().unwrap_or_default();
-        v.resize(len, 0);
-        v
-    }
-
-    /// Keeps the buffer of an unexpected payload that has been delivered, for the next one.
-    pub(super) fn recycle(&mut self, v: Vec<u8>) {
-        if self.spare_temps.len() < SPARE_TEMPS {
-            self.spare_temps.push(v);
         }
     }
 
@@ -175,7 +154,7 @@ impl State {
             Some(addr) if u.hdr.kind == Kind::Rget => self.fetch(u.src, u.hdr, r, &addr),
             Some(data) => {
                 copy_bytes(&mut r.buf.bytes_mut()[..data.len()], &data);
-                self.recycle(data);
+                self.spare_temps.give(data);
                 self.answer(u.src, &u.hdr, None);
                 complete_recv(r, u.src, &u.hdr);
             }
@@ -210,7 +189,7 @@ impl State {
         match h.kind {
             Kind::Eager => {
                 let target = match self.matcher.take_posted(p, (h.ctx, h.tag)) {
-                    None => Target::Temp(self.temp_buffer(h.len as usize)),
+                    None => Target::Temp(self.spare_temps.take_len(h.len as usize)),
                     Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => Target::Recv(r),
                         Err((e, reason)) => {

@@ -51,10 +51,9 @@ impl Peer {
         let timed = self.link.shm.is_none() && want >= COPY_PROBE;
         let t = timed.then(Instant::now);
         let r = self.link.read(&mut self.rxbuf[self.rx_end..end])?;
-        let n = r.bytes();
-        self.rx_end += n;
-        if let (Some(t), true) = (t, n > 0) {
-            self.copy.staged(n, t.elapsed());
+        self.rx_end += r.bytes();
+        if let Some(t) = t {
+            self.copy.staged(r.bytes(), t.elapsed());
         }
         Ok(r)
     }
@@ -68,18 +67,11 @@ impl Peer {
         }
         let t = Instant::now();
         let r = self.link.read(dst)?;
-        if r.bytes() > 0 && self.copy.slow(r.bytes(), t.elapsed()) {
+        if self.copy.slow(r.bytes(), t.elapsed()) {
             self.copy.bounce = true;
         }
         Ok(r)
     }
-}
-
-/// The speed of a copy of `n` bytes that took `took`, in bytes per nanosecond, when it is one
-/// to go by: at least `min` bytes, and measurable.
-pub(super) fn rate(n: usize, took: Duration, min: usize) -> Option<f64> {
-    let ns = took.as_nanos();
-    (n >= min && ns > 0).then(|| n as f64 / ns as f64)
 }
 
 /// Reads of at least this many bytes time the kernel's copy.
@@ -122,7 +114,7 @@ impl CopyRate {
 
     /// Notes a read of `n` bytes into the receive buffer that took `took`.
     fn staged(&mut self, n: usize, took: Duration) {
-        if let Some(r) = rate(n, took, COPY_PROBE) {
+        if let Some(r) = copy_rate(n, took, COPY_PROBE) {
             self.staged = if self.staged == 0.0 {
                 r
             } else {
@@ -135,7 +127,7 @@ impl CopyRate {
     /// third of its speed. Measured (GB/s): reads into the buffer 6-14; direct reads 5-16 where
     /// the pages lie well (less in memory than in cache), 1-2 where they do not.
     fn slow(&self, n: usize, took: Duration) -> bool {
-        rate(n, took, COPY_PROBE).is_some_and(|r| self.staged > 0.0 && r < self.staged / 3.0)
+        copy_rate(n, took, COPY_PROBE).is_some_and(|r| self.staged > 0.0 && r < self.staged / 3.0)
     }
 }
 

@@ -73,7 +73,7 @@ impl TxRate {
     /// not; returns whether it was slow: the rest of the payload should go on through the
     /// bounce buffer.
     pub(super) fn slow(&mut self, n: usize, took: Duration, bounced: bool) -> bool {
-        let Some(r) = super::rxbuf::rate(n, took, PROBE) else {
+        let Some(r) = copy_rate(n, took, PROBE) else {
             return false;
         };
         let slow = !bounced && r < self.best / SLOW;

@@ -26,13 +26,22 @@ impl State {
         (self.cancel_error)(note, &what)
     }
 
-    /// Refuses a message of a cancelled key, so that its sender's operation ends.
+    /// Refuses a message of a cancelled key, so that its sender's operation ends; the refusal
+    /// carries the key's note, so that the sender's error says why.
     pub(super) fn refuse_cancelled(&mut self, src: usize, h: &Header) {
-        let refusal = Refusal {
-            reason: NackReason::Cancelled,
-            cap: 0,
-            dtype: h.dtype,
-            fp: Fingerprint::NONE,
+        let refusal = match self.cancelled.get((h.ctx, h.tag)) {
+            Some(note) => Refusal {
+                reason: NackReason::Cancelled,
+                cap: note.refusal_len(),
+                dtype: note.dtype,
+                fp: note.check,
+            },
+            None => Refusal {
+                reason: NackReason::Cancelled,
+                cap: 0,
+                dtype: h.dtype,
+                fp: Fingerprint::NONE,
+            },
         };
         self.answer(src, h, Some(refusal));
     }
@@ -40,6 +49,7 @@ impl State {
     /// Cancels key (`h.ctx`, `h.tag`) for `note` (here or from peer `note.by`): fails our
     /// operations of it and refuses its messages, those here and those to come.
     pub(super) fn cancel_key(&mut self, key: Key, note: CancelNote) {
+        self.cancelled.cancel(key, note);
         for r in self.matcher.withdraw_posted(|r| (r.ctx, r.tag) == key) {
             let e = self.cancelled_error(&note, r.op, r.fp, r.dtype);
             r.cell.complete(Err(e), None);
@@ -78,7 +88,6 @@ impl State {
         for u in dropped {
             self.refuse_cancelled(u.src, &u.hdr);
         }
-        self.cancelled.cancel(key, note);
     }
 
     /// Peer `p` cancelled key (`h.ctx`, `h.tag`) (a Cancel frame: `aux` is its reason word).

@@ -287,6 +287,8 @@ impl State {
                 };
                 let result = if h.kind == Kind::Ack {
                     Ok(s.status(p))
+                } else if let Some(note) = CancelNote::from_refusal(&h, self.peers.len()) {
+                    Err(self.cancelled_error(&note, s.op, s.fp, s.dtype))
                 } else {
                     Err(refusal::refused(self.rank, s.sent(), p, &h))
                 };

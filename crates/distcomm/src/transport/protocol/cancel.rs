@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use super::matching::Key;
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::transport::frame::Fingerprint;
+use crate::transport::frame::{Fingerprint, Header, Kind, NackReason};
 
 /// Who cancelled a key and why, as the cancelling layer put it: the transport carries it (in
 /// the Cancel frame) and keeps it, but never interprets `check` or `why`.
@@ -23,6 +23,32 @@ pub(crate) struct CancelNote {
     pub dtype: DType,
     /// The cancelling layer's reason word (opaque).
     pub why: u32,
+}
+
+impl CancelNote {
+    /// The length word of the refusal (Nack `Cancelled`) of a message of a key this note
+    /// cancelled: `by` + 1 in the high half, `why` in the low one. The refusal carries the
+    /// note's check word and element type in its own, so that the sender's operation fails with
+    /// the same error as if the Cancel frame had reached it first (it may still be on its way
+    /// from `by`).
+    pub(crate) fn refusal_len(&self) -> u64 {
+        ((self.by as u64).saturating_add(1) << 32) | u64::from(self.why)
+    }
+
+    /// The note a refusal `h` carries (see [`CancelNote::refusal_len`]), if it is a Nack
+    /// `Cancelled` that carries one from a rank below `world`.
+    pub(crate) fn from_refusal(h: &Header, world: usize) -> Option<CancelNote> {
+        if h.kind != Kind::Nack || h.aux != NackReason::Cancelled as u32 {
+            return None;
+        }
+        let by = usize::try_from((h.len >> 32).checked_sub(1)?).ok()?;
+        (by < world).then_some(CancelNote {
+            by,
+            check: h.fp,
+            dtype: h.dtype,
+            why: h.len as u32,
+        })
+    }
 }
 
 /// An operation of a cancelled key that fails now.
@@ -97,5 +123,37 @@ mod tests {
         assert!(!c.cancel((1, 2), "second"));
         assert_eq!(c.get((1, 2)), Some(&"first"));
         assert!(!c.contains((1, 3)) && !c.contains((2, 2)));
+    }
+
+    #[test]
+    fn a_refusal_carries_the_note() {
+        let note = CancelNote {
+            by: 3,
+            check: Fingerprint::NONE,
+            dtype: DType::F32,
+            why: 0x401,
+        };
+        let nack = |len| Header {
+            kind: Kind::Nack,
+            dtype: note.dtype,
+            ctx: 1,
+            tag: 2,
+            aux: NackReason::Cancelled as u32,
+            msg_id: 9,
+            len,
+            fp: note.check,
+        };
+        assert_eq!(
+            CancelNote::from_refusal(&nack(note.refusal_len()), 4),
+            Some(note)
+        );
+        // None carried (an empty length word), or one naming a rank outside the world.
+        assert_eq!(CancelNote::from_refusal(&nack(0), 4), None);
+        assert_eq!(CancelNote::from_refusal(&nack(note.refusal_len()), 3), None);
+        let other = Header {
+            aux: NackReason::TooLarge as u32,
+            ..nack(note.refusal_len())
+        };
+        assert_eq!(CancelNote::from_refusal(&other, 4), None);
     }
 }

@@ -322,6 +322,10 @@ impl Run<'_> {
                             direct.works.push(w);
                             continue;
                         }
+                        let small = size_of_val(src) <= eager_max;
+                        if small && self.b.send_scheduled(env, bytemuck::cast_slice(src), *peer) {
+                            continue;
+                        }
                         let buf: Vec<T> = self.pool.copy_of(src);
                         let w: Work<Vec<T>> =
                             self.b.post_send(env, Box::new(buf), *peer, self.timeout)?;
@@ -329,7 +333,7 @@ impl Run<'_> {
                         // acknowledgement: a receiver that refuses it cancels the collective on
                         // every rank); nothing to wait for. Written at once (the usual case),
                         // its buffer goes back to the pool.
-                        if std::mem::size_of_val(src) > eager_max {
+                        if !small {
                             sends.push(w);
                         } else if w.is_completed() {
                             if let Ok(buf) = w.take_buffer() {

@@ -191,6 +191,13 @@ impl NativeBackend {
             .detach_on_drop())
     }
 
+    /// Sends a collective's small message to group rank `dst` at once, without a handle, when
+    /// the engine can ([`Engine::send_scheduled`]); `false`: post it.
+    fn send_scheduled(&self, env: Envelope, data: &[u8], dst: usize) -> bool {
+        self.global(env.op, dst)
+            .is_ok_and(|g| self.engine.send_scheduled(self.scoped(env), data, g))
+    }
+
     /// A receive from group rank `src` as a typed handle (for the schedules).
     fn post_recv<B: 'static>(
         &self,

@@ -738,3 +738,38 @@ fn a_rank_dying_mid_collective_fails_the_others_promptly() {
         },
     );
 }
+
+/// A root far ahead of its receivers over TCP: its collective sends go straight to the socket
+/// while nothing is queued, then, once the socket is full, part-written and queued; every
+/// receiver still gets every broadcast whole and in order.
+#[test]
+fn a_root_far_ahead_over_tcp_loses_and_reorders_nothing() {
+    common::run_native_env(
+        "a_root_far_ahead_over_tcp_loses_and_reorders_nothing",
+        &[2, 3],
+        &[("DISTCOMM_TRANSPORT", "tcp")],
+        |g| {
+            let r = g.rank();
+            // Sizes up to the largest eager message (64 KiB), odd ones included, so that
+            // writes stop in headers and in payloads.
+            for i in 0..300i32 {
+                let len = [16_000, 1, 4093, 16_000, 16_383][i as usize % 5];
+                let value = |k: usize| i.wrapping_mul(7919).wrapping_add(k as i32);
+                let mut x: Vec<i32> = match r {
+                    0 => (0..len).map(value).collect(),
+                    _ => vec![0; len],
+                };
+                g.broadcast(&mut x, 0).unwrap();
+                if r != 0 {
+                    let bad = (0..len).find(|&k| x[k] != value(k));
+                    assert_eq!(bad, None, "rank {r}: broadcast {i} differs at that element");
+                    if i % 150 == 1 {
+                        // Fall behind: the root fills the socket (12 MB in all) meanwhile.
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                }
+            }
+            g.barrier().unwrap();
+        },
+    );
+}

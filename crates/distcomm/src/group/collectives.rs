@@ -18,6 +18,8 @@ use std::mem::size_of_val;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
+use smallvec::SmallVec;
+
 use super::{Inner, Job, ProcessGroup, Turn};
 use crate::backend::{Coll, CollCall};
 use crate::call::{Call, CallKind};
@@ -196,32 +198,28 @@ impl Inner {
     ) -> Result<()> {
         let ((input, send_counts), (output, recv_counts)) = (send, recv);
         let (n, r) = (self.size(), self.rank);
-        let ranges =
-            |counts: &[usize], total: usize, what: &str| -> Result<Vec<std::ops::Range<usize>>> {
-                if counts.len() != n || counts.iter().sum::<usize>() != total {
-                    return Err(self.invalid(
-                        "all_to_all",
-                        format!("{what} counts {counts:?} must be {n} numbers summing to {total}"),
-                    ));
-                }
-                let mut start = 0;
-                Ok(counts
-                    .iter()
-                    .map(|&c| {
-                        start += c;
-                        start - c..start
-                    })
-                    .collect())
-            };
-        let sr = ranges(send_counts, input.len(), "send")?;
-        let rr = ranges(recv_counts, output.len(), "receive")?;
-        if sr[r].len() != rr[r].len() {
+        // This rank's own range of a split, once the split is checked. No list of ranges, and
+        // equal counts on the stack: their three allocations per call cost a small all_to_all
+        // (world 2, 8 B, shared memory, 6 alternating pairs) 1/0.86 of its time.
+        let own = |counts: &[usize], total: usize, what: &str| -> Result<std::ops::Range<usize>> {
+            if counts.len() != n || counts.iter().sum::<usize>() != total {
+                return Err(self.invalid(
+                    "all_to_all",
+                    format!("{what} counts {counts:?} must be {n} numbers summing to {total}"),
+                ));
+            }
+            let start = counts[..r].iter().sum::<usize>();
+            Ok(start..start + counts[r])
+        };
+        let sr = own(send_counts, input.len(), "send")?;
+        let rr = own(recv_counts, output.len(), "receive")?;
+        if sr.len() != rr.len() {
             return Err(self.invalid(
                 "all_to_all",
                 "this rank's own send and receive counts differ".into(),
             ));
         }
-        copy(&mut output[rr[r].clone()], &input[sr[r].clone()]);
+        copy(&mut output[rr], &input[sr]);
         // Uneven splits differ per rank, so only the equal form fingerprints its count.
         let call = Call::new(CallKind::AllToAll, if uneven { 0 } else { input.len() })
             .bytes(size_of_val(input));
@@ -558,7 +556,13 @@ impl ProcessGroup {
         })
     }
 
-    fn equal_counts(&self, op: &'static str, inp: usize, out: usize) -> Result<Vec<usize>> {
+    /// The counts of an equal split of `inp` elements (on the stack up to 16 ranks).
+    fn equal_counts(
+        &self,
+        op: &'static str,
+        inp: usize,
+        out: usize,
+    ) -> Result<SmallVec<[usize; 16]>> {
         let n = self.size();
         if inp % n != 0 || inp != out {
             return Err(self.inner.invalid(
@@ -566,7 +570,7 @@ impl ProcessGroup {
                 format!("input {inp} and output {out} must be equal multiples of {n}"),
             ));
         }
-        Ok(vec![inp / n; n])
+        Ok(smallvec::smallvec![inp / n; n])
     }
 }
 

@@ -270,9 +270,10 @@ impl Engine {
         {
             return false;
         }
+        let id = st.alloc_id();
         let hdr = Header {
             aux: EAGER_NO_ACK,
-            ..env.eager(st.alloc_id(), data.len())
+            ..env.eager(id, data.len())
         }
         .encode();
         let Some(Some(peer)) = st.peers.get_mut(dst) else {
@@ -292,7 +293,9 @@ impl Engine {
                 payload: Some(Box::new(data.to_vec())),
                 base: 0,
                 plen: data.len(),
-                send_id: None,
+                // Our message, not a reply owed to the peer: an abort drops it unless it is
+                // half on the wire (its id has no entry in the send table: nothing completes).
+                send_id: Some(id),
             });
             peer.out_off = written;
             let backlog = st.unwatched_backlog(Some(dst));

@@ -29,19 +29,12 @@ impl State {
     /// Refuses a message of a cancelled key, so that its sender's operation ends; the refusal
     /// carries the key's note, so that the sender's error says why.
     pub(super) fn refuse_cancelled(&mut self, src: usize, h: &Header) {
-        let refusal = match self.cancelled.get((h.ctx, h.tag)) {
-            Some(note) => Refusal {
-                reason: NackReason::Cancelled,
-                cap: note.refusal_len(),
-                dtype: note.dtype,
-                fp: note.check,
-            },
-            None => Refusal {
-                reason: NackReason::Cancelled,
-                cap: 0,
-                dtype: h.dtype,
-                fp: Fingerprint::NONE,
-            },
+        let note = self.cancelled.get((h.ctx, h.tag)).copied();
+        let refusal = Refusal {
+            reason: NackReason::Cancelled,
+            cap: note.map_or(0, |n| n.refusal_len()),
+            dtype: note.map_or(h.dtype, |n| n.dtype),
+            fp: note.map_or(Fingerprint::NONE, |n| n.check),
         };
         self.answer(src, h, Some(refusal));
     }

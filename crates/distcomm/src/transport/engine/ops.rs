@@ -260,25 +260,24 @@ impl Engine {
         }
         let mut guard = self.sh.lock();
         let st = &mut *guard;
-        let idle = matches!(st.peers.get(dst), Some(Some(p)) if p.dead.is_none()
-            && p.link.shm.is_none()
-            && p.out.is_empty());
-        if !idle
-            || st.closed.is_some()
+        if st.closed.is_some()
             || st.cancelled.contains((env.ctx, env.tag))
             || st.limits.wire(data.len(), false) != Wire::Eager
         {
             return false;
         }
         let id = st.alloc_id();
+        let Some(Some(peer)) = st.peers.get_mut(dst) else {
+            return false;
+        };
+        if peer.dead.is_some() || peer.link.shm.is_some() || !peer.out.is_empty() {
+            return false;
+        }
         let hdr = Header {
             aux: EAGER_NO_ACK,
             ..env.eager(id, data.len())
         }
         .encode();
-        let Some(Some(peer)) = st.peers.get_mut(dst) else {
-            return false;
-        };
         let written = match peer.link.write(&[IoSlice::new(&hdr), IoSlice::new(data)]) {
             Ok(n) => n,
             Err(reason) => {

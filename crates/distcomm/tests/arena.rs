@@ -195,21 +195,23 @@ fn subgroup_arenas() {
     );
 }
 
-/// A reduce_scatter too large for one exchange step, on more than four ranks (on a machine
-/// where they outnumber the cores, as on the 2-core machines of CI, it goes the way of
-/// all_reduce through the arena, every rank taking its block; with five cores or more it
-/// tests the one-step and network paths instead): blocks of odd lengths across the
-/// chunks, sums in rank order, integer and 16-bit averages divided once (rounded once), and an
-/// operator that differs between ranks is a desync on every rank, not a wrong result.
+/// A reduce_scatter of 0.6-1 MB parts on three, four and five ranks. On a machine where they
+/// outnumber the cores (the 2-core machines of CI), three and four ranks take one exchange
+/// step (each reducing its own block from every slot), five go the way of all_reduce through
+/// the arena, every rank taking its block; with five cores or more, one step or the network
+/// paths. On every path: blocks of odd lengths across the chunks, sums in rank order, integer
+/// and 16-bit averages divided once (rounded once), and an operator that differs between ranks
+/// is a desync on every rank, not a wrong result.
 #[test]
-fn arena_reduce_scatter_by_chunks() {
+fn arena_reduce_scatter_large_parts() {
     run_native_env(
-        "arena_reduce_scatter_by_chunks",
-        &[5],
+        "arena_reduce_scatter_large_parts",
+        &[3, 4, 5],
         &[],
         |g: &ProcessGroup| {
             let (n, r) = (g.size(), g.rank());
-            let k = 70_001;
+            // Parts of n * k f32 (and as many f32 for the widened bf16): up to 1 MiB on four.
+            let k = 50_001;
             let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
             let input: Vec<f32> = (0..n * k).map(|i| val(r, i)).collect();
             let mut out = vec![0f32; k];

@@ -58,14 +58,29 @@ fn one_step_reduce(part: usize, arena: &Arena) -> bool {
 
 /// Whether a reduce_scatter whose input is `part` bytes goes the way of all_reduce through the
 /// arena (each rank reducing its share of every chunk, taking its block of the result): when
-/// ranks outnumber cores, more than four, and the part is too large for one exchange step; the
-/// network schedules' rounds then wait for every rank to be scheduled in turn. Measured on 2
-/// cores against the schedules (`scripts/ab.py`, 2 pairs, new / old time): world 6 256 KiB
-/// 0.47, 1 MiB 0.76, 4 MiB 0.72; world 8 256 KiB-64 MiB 0.64-0.76; but world 3 1 MiB 1.14,
-/// 4 MiB 1.09, world 4 0.88-1.13, and world 2 (cores of their own) 0.96-1.04.
+/// ranks outnumber cores, more than [`ONE_STEP_REDUCE_SCATTER_RANKS`], and the part is too
+/// large for one exchange step; the network schedules' rounds then wait for every rank to be
+/// scheduled in turn. Measured on 2 cores against the schedules (`scripts/ab.py`, 2 pairs, new
+/// / old time): world 6 256 KiB 0.47, 1 MiB 0.76, 4 MiB 0.72; world 8 256 KiB-64 MiB
+/// 0.64-0.76; but world 3 1 MiB 1.14, 4 MiB 1.09, world 4 0.88-1.13, and world 2 (cores of
+/// their own) 0.96-1.04.
 fn chunked_reduce_scatter(part: usize, arena: &Arena) -> bool {
-    arena.oversubscribed() && arena.ranks() > 4 && part > OVERSUBSCRIBED_MAX.min(arena.slot_bytes())
+    arena.oversubscribed()
+        && arena.ranks() > ONE_STEP_REDUCE_SCATTER_RANKS
+        && part > OVERSUBSCRIBED_MAX.min(arena.slot_bytes())
 }
+
+/// A reduce_scatter on up to this many ranks takes one exchange step up to [`PART_MAX`] even
+/// when ranks outnumber cores: each rank writes its input, one barrier, each reduces its own
+/// block from every slot straight into its output. Before, parts over [`OVERSUBSCRIBED_MAX`]
+/// took the network schedules (halving) over the shared-memory links. Measured on 2 cores,
+/// `distcomm bench reduce_scatter`, one step against the schedules, alternating runs (µs):
+/// world 3 (4 pairs) 128 KiB 21 against 116, 256 KiB 43 against 114, 512 KiB 90 against 181,
+/// 1 MiB 171 against 324; world 4 (4 pairs) 128 KiB 73 against 210, 256 KiB 132 against 278,
+/// 512 KiB 253 against 377, 1 MiB 486 against 675. Against the chunked way of all_reduce
+/// ([`chunked_reduce_scatter`]) world 4 gave 0.65-0.72x the time, but world 8 0.89-1.09x:
+/// more ranks keep that way.
+const ONE_STEP_REDUCE_SCATTER_RANKS: usize = 4;
 
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
 /// outnumber cores (reduce: up to [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the
@@ -99,6 +114,7 @@ pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
         Coll::ReduceScatter(..) if chunked_reduce_scatter(bytes, arena) => {
             return bytes <= arena.max_bytes()
         }
+        Coll::ReduceScatter(..) if arena.ranks() <= ONE_STEP_REDUCE_SCATTER_RANKS => PART_MAX,
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,
         _ => PART_MAX,

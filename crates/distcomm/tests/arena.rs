@@ -289,6 +289,14 @@ fn arena_collectives(g: &ProcessGroup) {
         g.scatter((r == root).then_some(&whole[..]), &mut block, root)
             .unwrap();
         assert!((0..len).all(|i| block[i] == pat(r + 1, i)), "scatter");
+        // Blocks too small for direct steps in a part over 64 KiB: one exchange step, also
+        // where ranks outnumber cores.
+        let mid = 40_003;
+        let mut block = vec![0u8; mid];
+        let whole: Vec<u8> = (0..n * mid).map(|i| pat(i / mid + 2, i % mid)).collect();
+        g.scatter((r == root).then_some(&whole[..]), &mut block, root)
+            .unwrap();
+        assert!((0..mid).all(|i| block[i] == pat(r + 2, i)), "scatter, mid-size");
         let k = 100_003;
         let a2a: Vec<u8> = (0..n * k).map(|i| pat(r + i / k, i % k)).collect();
         let mut got = vec![0u8; n * k];

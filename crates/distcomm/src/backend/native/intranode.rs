@@ -83,12 +83,14 @@ fn chunked_reduce_scatter(part: usize, arena: &Arena) -> bool {
 const ONE_STEP_REDUCE_SCATTER_RANKS: usize = 4;
 
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
-/// outnumber cores (reduce: up to [`REDUCE_MAX`]). Measured with `scripts/ab.py` against the
-/// network schedules (shm links, one pair per point): world 2 at 1 MiB, scatter 0.14x,
-/// reduce_scatter 0.53x the schedules' time; at 64 KiB 0.08x-0.57x. Broadcast, gather and
-/// all_gather take it at every size, in pieces (world 2, arena against network: 64 MiB
-/// broadcast 7.9-15.4 ms against 20.6-29.2, all_gather 15.5 against 17.9-25.4; world 4 on 2
-/// cores, 16 MiB: broadcast 6.2-6.9 against 9.5-16.4, all_gather 6.3-7.8 against 10.7-10.8).
+/// outnumber cores, and when they do, scatter always and reduce_scatter on up to
+/// [`ONE_STEP_REDUCE_SCATTER_RANKS`] (reduce: up to [`REDUCE_MAX`]). Measured with
+/// `scripts/ab.py` against the network schedules (shm links, one pair per point): world 2 at
+/// 1 MiB, scatter 0.14x, reduce_scatter 0.53x the schedules' time; at 64 KiB 0.08x-0.57x.
+/// Broadcast, gather and all_gather take it at every size, in pieces (world 2, arena against
+/// network: 64 MiB broadcast 7.9-15.4 ms against 20.6-29.2, all_gather 15.5 against
+/// 17.9-25.4; world 4 on 2 cores, 16 MiB: broadcast 6.2-6.9 against 9.5-16.4, all_gather
+/// 6.3-7.8 against 10.7-10.8).
 pub(super) const PART_MAX: usize = 1 << 20;
 /// Reduce in one exchange step up to this part: the root alone combines every part (64 KiB,
 /// world 2: 0.12x the binomial tree's time). Larger ones go the way of all_reduce, every rank
@@ -98,9 +100,16 @@ pub(super) const PART_MAX: usize = 1 << 20;
 /// 2, 4 pairs): 128 KiB 0.53x, 256 KiB 0.46x, 512 KiB 0.77x, 1 MiB 0.98x the time. When ranks
 /// outnumber cores, one step only up to [`OVERSUBSCRIBED_MAX`].
 pub(super) const REDUCE_MAX: usize = 512 << 10;
-/// Parts of scatter, reduce and reduce_scatter up to this many bytes take the arena when ranks
-/// outnumber cores (at 1 MiB every rank waits for the slowest to be scheduled; at 64 KiB
-/// 0.07x-0.60x the schedules' time).
+/// Parts of reduce, and of reduce_scatter on more than [`ONE_STEP_REDUCE_SCATTER_RANKS`],
+/// up to this many bytes take one exchange step when ranks outnumber cores (at 1 MiB every
+/// rank waits for the slowest to be scheduled; at 64 KiB 0.07x-0.60x the schedules' time).
+/// Scatter takes it up to [`PART_MAX`] there too, where its blocks are too small for direct
+/// steps ([`OVERSUBSCRIBED_SCATTER_MIN`]): before, parts between 64 KiB and blocks of 64 KiB
+/// took the network schedules over the shared-memory links, 5x behind Open MPI at world 4,
+/// 128 KiB. One step against them, alternating runs on 2 cores (µs): world 3 (4 pairs)
+/// 128 KiB 11 against 73; world 4 (4 pairs) 128 KiB 12 against 94, 192 KiB 15 against 110;
+/// world 6 (3 pairs) 128-256 KiB 11-17 against 149-188; world 8 (3 pairs) 128 KiB 22 against
+/// 42, 192-256 KiB 23-29 against 247-268.
 pub(super) const OVERSUBSCRIBED_MAX: usize = 64 << 10;
 
 /// Whether a part of `bytes` of `coll` takes the arena.
@@ -115,6 +124,8 @@ pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
             return bytes <= arena.max_bytes()
         }
         Coll::ReduceScatter(..) if arena.ranks() <= ONE_STEP_REDUCE_SCATTER_RANKS => PART_MAX,
+        // Also when ranks outnumber cores (see [`OVERSUBSCRIBED_MAX`]).
+        Coll::Scatter(..) => PART_MAX,
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,
         _ => PART_MAX,

@@ -210,7 +210,8 @@ fn arena_reduce_scatter_large_parts() {
         &[],
         |g: &ProcessGroup| {
             let (n, r) = (g.size(), g.rank());
-            // Parts of n * k f32 (and as many f32 for the widened bf16): up to 1 MiB on four.
+            // Parts of 0.6, 0.8 and 1.0 MB on 3, 4 and 5 ranks (the bf16 ones widened to f32,
+            // a few bytes more), all under the arena's one-step limit of 1 MiB.
             let k = 50_001;
             let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
             let input: Vec<f32> = (0..n * k).map(|i| val(r, i)).collect();
@@ -289,14 +290,17 @@ fn arena_collectives(g: &ProcessGroup) {
         g.scatter((r == root).then_some(&whole[..]), &mut block, root)
             .unwrap();
         assert!((0..len).all(|i| block[i] == pat(r + 1, i)), "scatter");
-        // Blocks too small for direct steps in a part over 64 KiB: one exchange step, also
-        // where ranks outnumber cores.
+        // Where ranks outnumber cores (world 3 on 2 cores): blocks too small for direct steps
+        // in a part over 64 KiB take one exchange step.
         let mid = 40_003;
         let mut block = vec![0u8; mid];
         let whole: Vec<u8> = (0..n * mid).map(|i| pat(i / mid + 2, i % mid)).collect();
         g.scatter((r == root).then_some(&whole[..]), &mut block, root)
             .unwrap();
-        assert!((0..mid).all(|i| block[i] == pat(r + 2, i)), "scatter, mid-size");
+        assert!(
+            (0..mid).all(|i| block[i] == pat(r + 2, i)),
+            "scatter, mid-size"
+        );
         let k = 100_003;
         let a2a: Vec<u8> = (0..n * k).map(|i| pat(r + i / k, i % k)).collect();
         let mut got = vec![0u8; n * k];

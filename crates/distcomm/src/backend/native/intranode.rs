@@ -79,12 +79,12 @@ fn chunked_reduce_scatter(part: usize, arena: &Arena) -> bool {
 /// 1 MiB 171 against 324; world 4 (4 pairs) 128 KiB 73 against 210, 256 KiB 132 against 278,
 /// 512 KiB 253 against 377, 1 MiB 486 against 675. Against the chunked way of all_reduce
 /// ([`chunked_reduce_scatter`]) world 4 gave 0.65-0.72x the time, but world 8 0.89-1.09x:
-/// more ranks keep that way.
+/// more ranks keep that way (worlds 5-7 were not measured).
 const ONE_STEP_REDUCE_SCATTER_RANKS: usize = 4;
 
 /// Parts up to this many bytes of scatter and reduce_scatter take the arena when ranks do not
-/// outnumber cores, and when they do, scatter always and reduce_scatter on up to
-/// [`ONE_STEP_REDUCE_SCATTER_RANKS`] (reduce: up to [`REDUCE_MAX`]). Measured with
+/// outnumber cores, and when they do, scatter at any number of ranks and reduce_scatter on up
+/// to [`ONE_STEP_REDUCE_SCATTER_RANKS`] (reduce: up to [`REDUCE_MAX`]). Measured with
 /// `scripts/ab.py` against the network schedules (shm links, one pair per point): world 2 at
 /// 1 MiB, scatter 0.14x, reduce_scatter 0.53x the schedules' time; at 64 KiB 0.08x-0.57x.
 /// Broadcast, gather and all_gather take it at every size, in pieces (world 2, arena against
@@ -104,12 +104,13 @@ pub(super) const REDUCE_MAX: usize = 512 << 10;
 /// up to this many bytes take one exchange step when ranks outnumber cores (at 1 MiB every
 /// rank waits for the slowest to be scheduled; at 64 KiB 0.07x-0.60x the schedules' time).
 /// Scatter takes it up to [`PART_MAX`] there too, where its blocks are too small for direct
-/// steps ([`OVERSUBSCRIBED_SCATTER_MIN`]): before, parts between 64 KiB and blocks of 64 KiB
+/// steps ([`OVERSUBSCRIBED_SCATTER_MIN`]) or direct steps are off: before, parts between 64 KiB and blocks of 64 KiB
 /// took the network schedules over the shared-memory links, 5x behind Open MPI at world 4,
 /// 128 KiB. One step against them, alternating runs on 2 cores (µs): world 3 (4 pairs)
 /// 128 KiB 11 against 73; world 4 (4 pairs) 128 KiB 12 against 94, 192 KiB 15 against 110;
 /// world 6 (3 pairs) 128-256 KiB 11-17 against 149-188; world 8 (3 pairs) 128 KiB 22 against
-/// 42, 192-256 KiB 23-29 against 247-268.
+/// 42, 192-256 KiB 23-29 against 247-268. Without direct steps (`DISTCOMM_SHM_CMA=0`, 4 pairs):
+/// world 3 128 KiB-1 MiB 10-48 against 33-58, world 4 13-65 against 58-97.
 pub(super) const OVERSUBSCRIBED_MAX: usize = 64 << 10;
 
 /// Whether a part of `bytes` of `coll` takes the arena.
@@ -124,7 +125,7 @@ pub(super) fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
             return bytes <= arena.max_bytes()
         }
         Coll::ReduceScatter(..) if arena.ranks() <= ONE_STEP_REDUCE_SCATTER_RANKS => PART_MAX,
-        // Also when ranks outnumber cores (see [`OVERSUBSCRIBED_MAX`]).
+        // Also when ranks outnumber cores (see `OVERSUBSCRIBED_MAX`).
         Coll::Scatter(..) => PART_MAX,
         _ if arena.oversubscribed() => OVERSUBSCRIBED_MAX,
         Coll::Reduce(..) => REDUCE_MAX,

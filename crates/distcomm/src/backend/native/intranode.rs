@@ -104,13 +104,14 @@ pub(super) const REDUCE_MAX: usize = 512 << 10;
 /// up to this many bytes take one exchange step when ranks outnumber cores (at 1 MiB every
 /// rank waits for the slowest to be scheduled; at 64 KiB 0.07x-0.60x the schedules' time).
 /// Scatter takes it up to [`PART_MAX`] there too, where its blocks are too small for direct
-/// steps ([`OVERSUBSCRIBED_SCATTER_MIN`]) or direct steps are off: before, parts between 64 KiB and blocks of 64 KiB
-/// took the network schedules over the shared-memory links, 5x behind Open MPI at world 4,
-/// 128 KiB. One step against them, alternating runs on 2 cores (µs): world 3 (4 pairs)
-/// 128 KiB 11 against 73; world 4 (4 pairs) 128 KiB 12 against 94, 192 KiB 15 against 110;
-/// world 6 (3 pairs) 128-256 KiB 11-17 against 149-188; world 8 (3 pairs) 128 KiB 22 against
-/// 42, 192-256 KiB 23-29 against 247-268. Without direct steps (`DISTCOMM_SHM_CMA=0`, 4 pairs):
-/// world 3 128 KiB-1 MiB 10-48 against 33-58, world 4 13-65 against 58-97.
+/// steps ([`OVERSUBSCRIBED_SCATTER_MIN`]) or direct steps are off: before, parts between
+/// 64 KiB and blocks of 64 KiB took the network schedules over the shared-memory links, 5x
+/// behind Open MPI at world 4, 128 KiB. One step against them, alternating runs on 2 cores
+/// (µs): world 3 (4 pairs) 128 KiB 11 against 73; world 4 (4 pairs) 128 KiB 12 against 94,
+/// 192 KiB 15 against 110; world 6 (3 pairs) 128-256 KiB 11-17 against 149-188; world 8
+/// (3 pairs) 128 KiB 22 against 42, 192-256 KiB 23-29 against 247-268. Without direct steps
+/// (`DISTCOMM_SHM_CMA=0`, 4 pairs): world 3 128 KiB-1 MiB 10-48 against 33-58, world 4 13-65
+/// against 58-97.
 pub(super) const OVERSUBSCRIBED_MAX: usize = 64 << 10;
 
 /// Whether a part of `bytes` of `coll` takes the arena.

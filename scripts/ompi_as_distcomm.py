@@ -13,11 +13,13 @@ distcomm ratio inside that spread is not a measured difference.
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-BTL = {"tcp": "tcp,self", "shm": "vader,self"}
+# Open MPI's side of the comparison, exactly as coll_compare.py runs and parses it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+                                "bench"))
+from coll_compare import mpi_run  # noqa: E402
 
 
 def main():
@@ -25,20 +27,12 @@ def main():
     if len(a) < 2 or a[0] != "bench":
         sys.exit("usage: ompi_as_distcomm.py bench OP -n WORLD --sizes SIZES [--no-check] --json OUT")
     op = a[1]
-    world = a[a.index("-n") + 1]
+    world = int(a[a.index("-n") + 1])
     sizes = a[a.index("--sizes") + 1]
     out = a[a.index("--json") + 1]
     exe = os.path.join(tempfile.gettempdir(), "mpi_coll_bench")
-    btl = BTL[os.environ.get("DISTCOMM_TRANSPORT", "shm")]
-    text = subprocess.run(
-        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", btl, "-n", world,
-         exe, op, sizes], capture_output=True, text=True, check=True).stdout
-    rows = []
-    for line in text.splitlines():
-        if line.startswith("mpi_coll "):
-            kv = dict(f.split("=", 1) for f in line.split()[1:])
-            rows.append({"op": kv["op"], "bytes": int(kv["bytes"]),
-                         "time_us": float(kv["time_us"])})
+    times = mpi_run(exe, world, [op], sizes, os.environ.get("DISTCOMM_TRANSPORT", "shm"))
+    rows = [{"op": o, "bytes": b, "time_us": t} for (o, b), t in times.items()]
     with open(out, "w") as f:
         json.dump(rows, f)
 

@@ -526,14 +526,26 @@ fn inexact(r: usize, i: usize) -> f32 {
     }
 }
 
-/// The 16-bit all_reduce equals reducing the same (16-bit) inputs in f32 and rounding once
-/// (dividing first for averages), bit for bit where the reduction order is fixed: through the
-/// arena (rank order) and on two ranks (any order).
+/// Bytes of 16-bit floats from which all_reduce and reduce_scatter over the network send them
+/// at 16 bits, each chunk reduced by its owner in rank order (`HALF_DIRECT_MIN` in
+/// `backend/native/collectives.rs`).
+const HALF_DIRECT_MIN: usize = 64 << 10;
+
+/// The 16-bit all_reduce, reduce and reduce_scatter equal reducing the same (16-bit) inputs in
+/// f32 and rounding once (dividing first for averages), bit for bit where the reduction order
+/// is fixed: through the arena (rank order), over the network from [`HALF_DIRECT_MIN`] bytes
+/// (rank order) and on two ranks (any order).
 fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -> T) {
     let (n, r) = (g.size(), g.rank());
+    // Whether a call of `elems` elements reduces in rank order.
+    let rank_order = |elems: usize| {
+        let net16 = g.transport() != "mpi" && elems * size_of::<T>() >= HALF_DIRECT_MIN;
+        g.intranode_all_reduce() || net16 && elems >= n
+    };
     // One element, the inline path (<= 40 B), the one-barrier path (<= 16 KiB), a single
-    // chunk and several.
-    for len in [1, 19, 20, 21, 5_000, 8_193, 300_001] {
+    // chunk and several; over the network, 8_193 elements are at 16 bits from world 4 on
+    // (reduce_scatter), 300_001 in one segment and 1_100_003 in two on two ranks.
+    for len in [1, 19, 20, 21, 5_000, 8_193, 300_001, 1_100_003] {
         for op in [
             ReduceOp::Sum,
             ReduceOp::Avg,
@@ -541,11 +553,14 @@ fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -
             ReduceOp::Min,
             ReduceOp::Max,
         ] {
+            // The odd ranks' values about 2^20 times smaller than the even ranks': their
+            // exact sum needs more bits than f32 has, so a reduction in another order than
+            // rank order rounds differently here and there.
             let input = |r: usize, i: usize| {
                 from(if op == ReduceOp::Product {
                     1.0 + inexact(r, i) / 4096.0
                 } else {
-                    inexact(r, i)
+                    inexact(r, i) / (1u32 << (r % 2 * 20 + r)) as f32
                 })
             };
             let mut buf: Vec<T> = (0..len).map(|i| input(r, i)).collect();
@@ -556,38 +571,42 @@ fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -
             let mut red: Vec<T> = (0..len).map(|i| input(r, i)).collect();
             g.reduce(&mut red, root, op)
                 .unwrap_or_else(|e| panic!("reduce {} {op:?} {len}: {e}", T::DTYPE));
-            let order_fixed =
-                g.intranode_all_reduce() || n <= 2 || matches!(op, ReduceOp::Min | ReduceOp::Max);
-            if !order_fixed {
-                continue;
-            }
+            // reduce_scatter of `len` elements per rank: every rank's input is its values of
+            // 0..n·len, block `b` going to rank `b`.
+            let whole: Vec<T> = (0..n * len).map(|j| input(r, j)).collect();
+            let mut block = vec![from(0.0); len];
+            g.reduce_scatter(&whole, &mut block, op)
+                .unwrap_or_else(|e| panic!("reduce_scatter {} {op:?} {len}: {e}", T::DTYPE));
+            let any_order = n <= 2 || matches!(op, ReduceOp::Min | ReduceOp::Max);
+            let checks = [
+                ("all_reduce", &buf, 0, rank_order(len)),
+                ("reduce", &red, 0, g.intranode_all_reduce() && r == root),
+                ("reduce_scatter", &block, r * len, rank_order(n * len)),
+            ];
             // MPI's MIN/MAX of a NaN follow the MPI library (Open MPI: NaN wins where
             // distcomm's kernels keep the other operand).
             let mpi = g.transport() == "mpi";
-            for (i, x) in buf.iter().enumerate() {
-                let nan = (0..n).any(|q| to(input(q, i)).is_nan());
-                if mpi && nan && matches!(op, ReduceOp::Min | ReduceOp::Max) {
+            for (what, got, at, fixed) in checks {
+                if !(fixed || any_order && (what != "reduce" || r == root)) {
                     continue;
                 }
-                let mut acc = [to(input(0, i))];
-                for q in 1..n {
-                    f32::reduce_into(&mut acc, &[to(input(q, i))], op);
-                }
-                if op == ReduceOp::Avg {
-                    f32::finish_avg(&mut acc, n);
-                }
-                let want = from(acc[0]);
-                let (got, want) = (to(*x), to(want));
-                assert!(
-                    got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
-                    "{} {op:?} world {n} len {len} element {i}: {got} want {want}",
-                    T::DTYPE
-                );
-                if r == root {
-                    let got = to(red[i]);
+                for (i, x) in got.iter().enumerate() {
+                    let i = at + i;
+                    let nan = (0..n).any(|q| to(input(q, i)).is_nan());
+                    if mpi && nan && matches!(op, ReduceOp::Min | ReduceOp::Max) {
+                        continue;
+                    }
+                    let mut acc = [to(input(0, i))];
+                    for q in 1..n {
+                        f32::reduce_into(&mut acc, &[to(input(q, i))], op);
+                    }
+                    if op == ReduceOp::Avg {
+                        f32::finish_avg(&mut acc, n);
+                    }
+                    let (got, want) = (to(*x), to(from(acc[0])));
                     assert!(
                         got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
-                        "reduce {} {op:?} world {n} len {len} element {i}: {got} want {want}",
+                        "{what} {} {op:?} world {n} len {len} element {i}: {got} want {want}",
                         T::DTYPE
                     );
                 }

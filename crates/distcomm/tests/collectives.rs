@@ -526,8 +526,8 @@ fn inexact(r: usize, i: usize) -> f32 {
     }
 }
 
-/// Bytes of 16-bit floats from which all_reduce and reduce_scatter over the network send them
-/// at 16 bits, each chunk reduced by its owner in rank order (`HALF_DIRECT_MIN` in
+/// Bytes of 16-bit floats from which all_reduce, reduce_scatter and reduce over the network
+/// send them at 16 bits, each chunk reduced by its owner in rank order (`HALF_DIRECT_MIN` in
 /// `backend/native/collectives.rs`).
 const HALF_DIRECT_MIN: usize = 64 << 10;
 
@@ -580,7 +580,7 @@ fn check_rounds_once<T: Val>(g: &ProcessGroup, to: fn(T) -> f32, from: fn(f32) -
             let any_order = n <= 2 || matches!(op, ReduceOp::Min | ReduceOp::Max);
             let checks = [
                 ("all_reduce", &buf, 0, rank_order(len)),
-                ("reduce", &red, 0, g.intranode_all_reduce() && r == root),
+                ("reduce", &red, 0, rank_order(len) && r == root),
                 ("reduce_scatter", &block, r * len, rank_order(n * len)),
             ];
             // MPI's MIN/MAX of a NaN follow the MPI library (Open MPI: NaN wins where

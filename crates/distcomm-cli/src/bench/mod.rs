@@ -149,8 +149,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "emulated")]
     device: String,
     /// Element type of the collectives (16-bit floats are reduced in f32 and rounded once; they
-    /// travel at 16 bits through the shared-memory arena, and over the network in all_reduce
-    /// and reduce_scatter from 64 KiB, as f32 otherwise).
+    /// travel at 16 bits through the shared-memory arena, and over the network in all_reduce,
+    /// reduce_scatter and reduce from 64 KiB, as f32 otherwise).
     #[arg(long, default_value = "f32")]
     dtype: ElemType,
     /// Run every suite in subgroups of K consecutive ranks at once (as tensor- or

@@ -360,6 +360,26 @@ pub fn direct_gather(n: usize, r: usize, root: usize, block: usize) -> Schedule 
     vec![round]
 }
 
+/// Gather of the balanced [`chunks`] of `count` elements: every rank but `root` sends its
+/// chunk (the whole of its input) to `root`, which receives chunk `i` at its place in its
+/// output. The root's own chunk is the caller's to place.
+pub fn gather_chunks(n: usize, r: usize, root: usize, count: usize) -> Schedule {
+    let c = chunks(count, n);
+    let round = if r == root {
+        (0..n)
+            .filter(|&i| i != root)
+            .map(|i| recv(i, c[i].clone(), false))
+            .collect()
+    } else {
+        vec![Step::Send {
+            peer: root,
+            space: Space::In,
+            range: 0..c[r].len(),
+        }]
+    };
+    vec![round]
+}
+
 /// Scatter of the root's input (block `i` to rank `i`) into every output (`block` elements).
 pub fn direct_scatter(n: usize, r: usize, root: usize, block: usize) -> Schedule {
     let round = if r == root {
@@ -637,6 +657,16 @@ mod tests {
                     prop_assert_eq!(&o[c.clone()], &want[c.clone()]);
                 }
             }
+            // The balanced chunks of an uneven count, gathered to the root.
+            let count = n * block + block % n;
+            let c = chunks(count, n);
+            let whole: Vec<i64> = inputs(1, count).concat();
+            let own: Vec<Vec<i64>> = (0..n).map(|r| whole[c[r].clone()].to_vec()).collect();
+            let mut outs = vec![vec![0i64; count]; n];
+            outs[root][c[root].clone()].copy_from_slice(&own[root]);
+            let s: Vec<_> = (0..n).map(|r| gather_chunks(n, r, root, count)).collect();
+            simulate(&s, &mut outs, &own, add).unwrap();
+            prop_assert_eq!(&outs[root], &whole);
             // gather / scatter.
             let mut outs = vec![vec![0i64; n * block]; n];
             outs[root][root * block..(root + 1) * block].copy_from_slice(&ins[root]);

@@ -5,8 +5,8 @@
 //! Every message of a collective carries the call's fingerprint and its sequence number as
 //! tag (see [`crate::call`]); a failed call is cancelled on every member.
 //!
-//! `f16`/`bf16` reductions are carried out in `f32` and rounded once: large all_reduces and
-//! reduce_scatters send the 16-bit values themselves, each chunk reduced by the rank that owns
+//! `f16`/`bf16` reductions are carried out in `f32` and rounded once: large all_reduces,
+//! reduce_scatters and reduces send the 16-bit values themselves, each chunk reduced by the rank that owns
 //! it ([`HALF_DIRECT_MIN`]); the other schedules run on the buffer widened to `f32`.
 //!
 //! Owns: which schedule runs a call, and running it. Must not know: the API's argument checks
@@ -471,6 +471,38 @@ impl Run<'_> {
         done
     }
 
+    /// reduce of 16-bit floats at their own width: [`Run::half_reduce_scatter`], then the
+    /// owners' rounded chunks go to the root (16-bit). The root receives 2(n − 1)/n of the
+    /// buffer at 16 bits, where the binomial tree in f32 brings it ⌈log₂ n⌉ whole buffers at
+    /// twice the width.
+    fn half_reduce<T: Reducible>(
+        &self,
+        call: &Call,
+        tag: u32,
+        buf: &mut [T],
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank);
+        let call = call.algo("direct reduce-scatter + gather, 16-bit");
+        let mine = alg::chunks(buf.len(), n)[r].clone();
+        let mut own: Vec<T> = self.pool.take_len(mine.len());
+        let mut done = self.half_reduce_scatter(&call, tag, buf, &mut own, op);
+        if done.is_ok() {
+            let sched = alg::gather_chunks(n, r, root, buf.len());
+            done = if r == root {
+                self.execute(&call, tag, &sched, buf, &[])
+            } else {
+                self.execute(&call, tag, &sched, &mut [], &own)
+            };
+            if done.is_ok() && r == root {
+                copy(&mut buf[mine], &own);
+            }
+        }
+        self.pool.give(own);
+        done
+    }
+
     /// Runs a reducing collective, widening 16-bit floats to f32 around it.
     fn reducing<T: Reducible>(
         &self,
@@ -571,6 +603,9 @@ impl Run<'_> {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
+        if T::WIDENS && size_of_val(buf) >= HALF_DIRECT_MIN && buf.len() >= n {
+            return self.half_reduce(call, tag, buf, root, op);
+        }
         let (call, sched) = if n <= 4 && size_of_val(buf) <= DIRECT_REDUCE_MAX {
             (
                 call.algo("direct"),
@@ -745,8 +780,8 @@ impl Run<'_> {
 /// 3.7-7.5, world 8 18-23 against 13-18): it keeps the direct schedule.
 pub const BINOMIAL_SCATTER_MAX: usize = 8 << 10;
 
-/// From this many bytes of 16-bit floats (bf16, f16), all_reduce and reduce_scatter over the
-/// network move them at their own width ([`Run::half_all_reduce`]): every rank sends each
+/// From this many bytes of 16-bit floats (bf16, f16), all_reduce, reduce_scatter and reduce
+/// over the network move them at their own width ([`Run::half_all_reduce`]): every rank sends each
 /// chunk straight to the rank that owns it, which reduces the n copies in f32 in rank order
 /// and rounds once. Below, the schedules run on the buffer widened to f32 (fewer rounds, twice
 /// the bytes). Measured over TCP, `distcomm bench <op> --dtype bf16`, 16-bit way against f32
@@ -755,7 +790,9 @@ pub const BINOMIAL_SCATTER_MAX: usize = 8 << 10;
 /// 1.33); world 4 64 KiB 0.79, 2-32 MiB 0.40-0.44 (32 KiB 1.05); world 8 64 KiB 1.05, 512 KiB
 /// 0.60, 4 MiB 0.36 (2 runs). reduce_scatter world 2 64 KiB 0.58, 4-32 MiB 0.21-0.29; world 3
 /// 64 KiB 0.61, 32 MiB 0.36; world 4 64 KiB 0.90, 4-32 MiB 0.32-0.35 (8 KiB 1.14: log₂ n
-/// rounds of halving win there); world 8 64 KiB 0.95, 4 MiB 0.45.
+/// rounds of halving win there); world 8 64 KiB 0.95, 4 MiB 0.45. reduce (against the binomial
+/// tree in f32) world 2 64 KiB-16 MiB 0.30-0.51; world 3 64 KiB 0.79, 256 KiB 0.92, 1-16 MiB
+/// 0.42-0.50; world 4 64 KiB 0.75, 1-16 MiB 0.35-0.40.
 pub const HALF_DIRECT_MIN: usize = 64 << 10;
 
 /// Reduce on up to four ranks sends every buffer straight to the root up to this many bytes,

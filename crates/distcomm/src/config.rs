@@ -55,7 +55,8 @@ pub const SHM_ARENA_CHUNK: &str = "DISTCOMM_SHM_ARENA_CHUNK";
 pub const ALL_REDUCE_RING_MIN: &str = "DISTCOMM_ALL_REDUCE_RING_MIN";
 /// `DISTCOMM_BROADCAST_SCATTER_MIN`: broadcast switches to scatter + all-gather here, bytes.
 pub const BROADCAST_SCATTER_MIN: &str = "DISTCOMM_BROADCAST_SCATTER_MIN";
-/// `DISTCOMM_RING_CHUNK_MAX`: bytes per rank one round of the ring all_reduce moves at most.
+/// `DISTCOMM_RING_CHUNK_MAX`: bytes per rank one round of the ring all_reduce moves at most
+/// (also the segments of the 16-bit all_reduce over the network).
 pub const RING_CHUNK_MAX: &str = "DISTCOMM_RING_CHUNK_MAX";
 /// `DISTCOMM_COMMS_LOG`: record per-op statistics.
 pub const COMMS_LOG: &str = "DISTCOMM_COMMS_LOG";

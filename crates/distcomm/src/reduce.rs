@@ -5,10 +5,11 @@
 //! dynamic dispatch). Integer arithmetic wraps on overflow (as two's-complement hardware and
 //! NCCL do) rather than panicking.
 //!
-//! * `f16`/`bf16`: collectives reduce them in `f32` and round once at the end. The network
-//!   algorithms widen them and move `f32`; the shared-memory arena moves them at 16 bits and
-//!   reduces all ranks' inputs at once in `f32` registers ([`Reducible::reduce_all`]; the
-//!   vectorised kernels are in `half_kernels`). See [`ReduceOp`].
+//! * `f16`/`bf16`: collectives reduce them in `f32` and round once at the end. The
+//!   shared-memory arena, and large all_reduces, reduce_scatters and reduces over the network,
+//!   move them at 16 bits and reduce all ranks' inputs at once in `f32` registers
+//!   ([`Reducible::reduce_all`]; the vectorised kernels are in `half_kernels`); the other
+//!   network algorithms widen them and move `f32`. See [`ReduceOp`].
 //! * `Avg` on integers: the wrapping sum divided by the number of ranks, rounded toward zero.
 
 use crate::dtype::Element;

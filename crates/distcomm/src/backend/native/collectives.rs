@@ -6,8 +6,9 @@
 //! tag (see [`crate::call`]); a failed call is cancelled on every member.
 //!
 //! `f16`/`bf16` reductions are carried out in `f32` and rounded once: large all_reduces,
-//! reduce_scatters and reduces send the 16-bit values themselves, each chunk reduced by the rank that owns
-//! it ([`HALF_DIRECT_MIN`]); the other schedules run on the buffer widened to `f32`.
+//! reduce_scatters and reduces send the 16-bit values themselves, each chunk reduced by the
+//! rank that owns it ([`HALF_DIRECT_MIN`]); the other schedules run on the buffer widened to
+//! `f32`.
 //!
 //! Owns: which schedule runs a call, and running it. Must not know: the API's argument checks
 //! (calls arrive checked, this rank's own block in place) or how messages travel.
@@ -435,8 +436,9 @@ impl Run<'_> {
     }
 
     /// all_reduce of 16-bit floats at their own width, in segments of at most
-    /// [`RING_CHUNK_MAX`] bytes per rank (`DISTCOMM_RING_CHUNK_MAX`): [`Run::half_reduce_scatter`], then every rank's
-    /// rounded chunk goes to every other (all_gather, 16-bit). Each element is reduced in f32
+    /// [`RING_CHUNK_MAX`] bytes per rank (`DISTCOMM_RING_CHUNK_MAX`):
+    /// [`Run::half_reduce_scatter`], then every rank's rounded chunk goes to every other
+    /// (all_gather, 16-bit). Each element is reduced in f32
     /// and rounded once, by its owner, so every rank ends with the same bits, and sends
     /// 2(n − 1)/n of the buffer at 16 bits: half of what the way in f32 sends.
     fn half_all_reduce<T: Reducible>(
@@ -449,10 +451,10 @@ impl Run<'_> {
         let (n, r) = (self.size(), self.rank);
         let call = call.algo("direct reduce-scatter + all_gather, 16-bit");
         let chunk = self.config.ring_chunk_max.unwrap_or(RING_CHUNK_MAX);
-        let seg = (chunk / size_of::<T>()).max(1).saturating_mul(n);
+        let per_seg = (chunk / size_of::<T>()).max(1).saturating_mul(n);
         let mut own: Vec<T> = self.pool.take();
         let mut done = Ok(());
-        for part in alg::chunks(buf.len(), buf.len().div_ceil(seg).max(1)) {
+        for part in alg::chunks(buf.len(), buf.len().div_ceil(per_seg).max(1)) {
             let seg = &mut buf[part];
             let mine = alg::chunks(seg.len(), n)[r].clone();
             own.clear();
@@ -781,7 +783,8 @@ impl Run<'_> {
 pub const BINOMIAL_SCATTER_MAX: usize = 8 << 10;
 
 /// From this many bytes of 16-bit floats (bf16, f16), all_reduce, reduce_scatter and reduce
-/// over the network move them at their own width ([`Run::half_all_reduce`]): every rank sends each
+/// over the network move them at their own width ([`Run::half_all_reduce`],
+/// [`Run::half_reduce_scatter`], [`Run::half_reduce`]): every rank sends each
 /// chunk straight to the rank that owns it, which reduces the n copies in f32 in rank order
 /// and rounds once. Below, the schedules run on the buffer widened to f32 (fewer rounds, twice
 /// the bytes). Measured over TCP, `distcomm bench <op> --dtype bf16`, 16-bit way against f32

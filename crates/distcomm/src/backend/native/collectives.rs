@@ -436,9 +436,8 @@ impl Run<'_> {
     }
 
     /// all_reduce of 16-bit floats at their own width, in segments of at most
-    /// [`RING_CHUNK_MAX`] bytes per rank (`DISTCOMM_RING_CHUNK_MAX`):
-    /// [`Run::half_reduce_scatter`], then every rank's rounded chunk goes to every other
-    /// (all_gather, 16-bit). Each element is reduced in f32
+    /// [`RING_CHUNK_MAX`] bytes per rank (`DISTCOMM_RING_CHUNK_MAX`), each through
+    /// [`Run::half_reduce_to`] with every rank as destination. Each element is reduced in f32
     /// and rounded once, by its owner, so every rank ends with the same bits, and sends
     /// 2(n − 1)/n of the buffer at 16 bits: half of what the way in f32 sends.
     fn half_all_reduce<T: Reducible>(
@@ -448,58 +447,51 @@ impl Run<'_> {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, r) = (self.size(), self.rank);
         let call = call.algo("direct reduce-scatter + all_gather, 16-bit");
         let chunk = self.config.ring_chunk_max.unwrap_or(RING_CHUNK_MAX);
-        let per_seg = (chunk / size_of::<T>()).max(1).saturating_mul(n);
-        let mut own: Vec<T> = self.pool.take();
-        let mut done = Ok(());
+        let per_seg = (chunk / size_of::<T>()).max(1).saturating_mul(self.size());
         for part in alg::chunks(buf.len(), buf.len().div_ceil(per_seg).max(1)) {
-            let seg = &mut buf[part];
-            let mine = alg::chunks(seg.len(), n)[r].clone();
-            own.clear();
-            own.resize(mine.len(), T::zeroed());
-            done = self.half_reduce_scatter(&call, tag, seg, &mut own, op);
-            if done.is_err() {
-                break;
-            }
-            copy(&mut seg[mine], &own);
-            done = self.all_gather_on(&call, tag, seg);
-            if done.is_err() {
-                break;
-            }
+            self.half_reduce_to(&call, tag, &mut buf[part], op, None)?;
         }
-        self.pool.give(own);
-        done
+        Ok(())
     }
 
-    /// reduce of 16-bit floats at their own width: [`Run::half_reduce_scatter`], then the
-    /// owners' rounded chunks go to the root (16-bit). The root receives 2(n − 1)/n of the
-    /// buffer at 16 bits, where the binomial tree in f32 brings it ⌈log₂ n⌉ whole buffers at
-    /// twice the width.
-    fn half_reduce<T: Reducible>(
+    /// [`Run::half_reduce_scatter`] of `buf`, then the owners' rounded chunks go at 16 bits to
+    /// `root` (a reduce: the root receives 2(n − 1)/n of the buffer at 16 bits, where the
+    /// binomial tree in f32 brings it ⌈log₂ n⌉ whole buffers at twice the width), or to every
+    /// rank when `root` is `None` (all_gather). Other ranks' buffers of a reduce stay as they
+    /// were.
+    fn half_reduce_to<T: Reducible>(
         &self,
         call: &Call,
         tag: u32,
         buf: &mut [T],
-        root: usize,
         op: ReduceOp,
+        root: Option<usize>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
-        let call = call.algo("direct reduce-scatter + gather, 16-bit");
         let mine = alg::chunks(buf.len(), n)[r].clone();
         let mut own: Vec<T> = self.pool.take_len(mine.len());
-        let mut done = self.half_reduce_scatter(&call, tag, buf, &mut own, op);
+        let mut done = self.half_reduce_scatter(call, tag, buf, &mut own, op);
         if done.is_ok() {
-            let sched = alg::gather_chunks(n, r, root, buf.len());
-            done = if r == root {
-                self.execute(&call, tag, &sched, buf, &[])
-            } else {
-                self.execute(&call, tag, &sched, &mut [], &own)
+            done = match root {
+                None => {
+                    copy(&mut buf[mine], &own);
+                    self.all_gather_on(call, tag, buf)
+                }
+                Some(root) => {
+                    let sched = alg::gather_chunks(n, r, root, buf.len());
+                    let got = if r == root {
+                        self.execute(call, tag, &sched, buf, &[])
+                    } else {
+                        self.execute(call, tag, &sched, &mut [], &own)
+                    };
+                    if got.is_ok() && r == root {
+                        copy(&mut buf[mine], &own);
+                    }
+                    got
+                }
             };
-            if done.is_ok() && r == root {
-                copy(&mut buf[mine], &own);
-            }
         }
         self.pool.give(own);
         done
@@ -606,7 +598,8 @@ impl Run<'_> {
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank);
         if T::WIDENS && size_of_val(buf) >= HALF_DIRECT_MIN && buf.len() >= n {
-            return self.half_reduce(call, tag, buf, root, op);
+            let call = call.algo("direct reduce-scatter + gather, 16-bit");
+            return self.half_reduce_to(&call, tag, buf, op, Some(root));
         }
         let (call, sched) = if n <= 4 && size_of_val(buf) <= DIRECT_REDUCE_MAX {
             (
@@ -784,7 +777,7 @@ pub const BINOMIAL_SCATTER_MAX: usize = 8 << 10;
 
 /// From this many bytes of 16-bit floats (bf16, f16), all_reduce, reduce_scatter and reduce
 /// over the network move them at their own width ([`Run::half_all_reduce`],
-/// [`Run::half_reduce_scatter`], [`Run::half_reduce`]): every rank sends each
+/// [`Run::half_reduce_scatter`], [`Run::half_reduce_to`]): every rank sends each
 /// chunk straight to the rank that owns it, which reduces the n copies in f32 in rank order
 /// and rounds once. Below, the schedules run on the buffer widened to f32 (fewer rounds, twice
 /// the bytes). Measured over TCP, `distcomm bench <op> --dtype bf16`, 16-bit way against f32

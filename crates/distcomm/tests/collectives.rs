@@ -528,7 +528,7 @@ fn inexact(r: usize, i: usize) -> f32 {
 
 /// Bytes of 16-bit floats from which all_reduce, reduce_scatter and reduce over the network
 /// send them at 16 bits, each chunk reduced by its owner in rank order (`HALF_DIRECT_MIN` in
-/// `backend/native/collectives.rs`).
+/// `backend/native/collectives/sixteen_bit.rs`).
 const HALF_DIRECT_MIN: usize = 64 << 10;
 
 /// The 16-bit all_reduce, reduce and reduce_scatter equal reducing the same (16-bit) inputs in

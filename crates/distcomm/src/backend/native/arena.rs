@@ -96,9 +96,9 @@ const NAP_AFTER: Duration = Duration::from_millis(5);
 const NAP: Duration = Duration::from_micros(50);
 
 /// When ranks outnumber cores on worlds up to [`CROWDED_ONE_CHUNK_RANKS`], all_reduce moves
-/// buffers up to this many bytes in one chunk instead of four: the chunks' copies cannot overlap
-/// when every core is busy anyway, and each chunk's two barriers wait for every rank to be
-/// scheduled. Measured on 2 cores (`distcomm bench`, 6 alternating pairs of 4 calls, median
+/// buffers up to this many bytes in one chunk instead of quarters of at least 64 KiB: the
+/// chunks' copies cannot overlap when every core is busy anyway, and each chunk's two barriers
+/// wait for every rank to be scheduled. Measured on 2 cores (`distcomm bench`, 6 alternating pairs of 4 calls, median
 /// of per-pair ratios, one chunk / four): all_reduce world 4 256 KiB 0.74x the time
 /// (0.61-0.88), 1 MiB 0.93x (0.81-0.97); world 3 256 KiB 0.89x, 1 MiB 0.88x; reduce world 4
 /// 1 MiB 0.91x, reduce_scatter 1.02x (0.89-1.48). Not beyond: world 4 4 MiB (two 2 MiB chunks
@@ -446,9 +446,10 @@ impl Arena {
         let crowded_whole = self.oversubscribed
             && self.n <= CROWDED_ONE_CHUNK_RANKS
             && bytes <= CROWDED_ONE_CHUNK_MAX;
-        let chunk_bytes = match crowded_whole {
-            true => bytes,
-            false => (bytes / 4).max(64 << 10),
+        let chunk_bytes = if crowded_whole {
+            bytes
+        } else {
+            (bytes / 4).max(64 << 10)
         }
         .min(self.chunk);
         let per_chunk = (chunk_bytes / size).max(1);

@@ -274,7 +274,14 @@ fn bf16_fused<'a>(out: &mut [bf16], n: usize, src: &dyn Fn(usize) -> &'a [bf16],
         f: impl Fn(f32, f32) -> f32,
         div: Option<f32>,
     ) {
-        let w = |x: &bf16| bf16_bits_to_f32(x.to_bits());
+        // A bare shift: unlike `bf16_bits_to_f32` it leaves a signalling NaN signalling, which
+        // changes nothing here but which NaN a NaN result is (every `f32` operator quietens
+        // it, the narrowing quietens what reaches it: NaN stays NaN, as promised above), and
+        // saves the NaN test on every input element. bf16 all_reduce through the arena,
+        // alternating runs against the quietening widen (`distcomm bench`, median of per-pair
+        // ratios of the time): world 2 64 KiB 0.77x, 1 MiB 0.80x (6 pairs), 32 MiB 0.89x;
+        // world 4 1 MiB 0.76x (4 pairs).
+        let w = |x: &bf16| f32::from_bits(u32::from(x.to_bits()) << 16);
         let nr = |x: f32| bf16::from_bits(f32_to_bf16_bits(x));
         let len = (0..n).map(|r| src(r).len()).fold(out.len(), usize::min);
         let out = &mut out[..len];

@@ -98,11 +98,11 @@ const NAP: Duration = Duration::from_micros(50);
 /// When ranks outnumber cores on worlds up to [`CROWDED_ONE_CHUNK_RANKS`], all_reduce moves
 /// buffers up to this many bytes in one chunk instead of quarters of at least 64 KiB: the
 /// chunks' copies cannot overlap when every core is busy anyway, and each chunk's two barriers
-/// wait for every rank to be scheduled. Measured on 2 cores (`distcomm bench`, 6 alternating pairs of 4 calls, median
-/// of per-pair ratios, one chunk / four): all_reduce world 4 256 KiB 0.74x the time
-/// (0.61-0.88), 1 MiB 0.93x (0.81-0.97); world 3 256 KiB 0.89x, 1 MiB 0.88x; reduce world 4
-/// 1 MiB 0.91x, reduce_scatter 1.02x (0.89-1.48). Not beyond: world 4 4 MiB (two 2 MiB chunks
-/// against four of 1 MiB) 1.22x, world 8 1 MiB 1.27x.
+/// wait for every rank to be scheduled. Measured on 2 cores (`distcomm bench`, 6 alternating
+/// pairs of 4 calls, median of per-pair ratios, one chunk / four): all_reduce world 4 256 KiB
+/// 0.74x the time (0.61-0.88), 1 MiB 0.93x (0.81-0.97); world 3 256 KiB 0.89x, 1 MiB 0.88x;
+/// reduce world 4 1 MiB 0.91x, reduce_scatter 1.02x (0.89-1.48). Not beyond: world 4 4 MiB
+/// (two 2 MiB chunks against four of 1 MiB) 1.22x, world 8 1 MiB 1.27x.
 const CROWDED_ONE_CHUNK_MAX: usize = 1 << 20;
 /// See [`CROWDED_ONE_CHUNK_MAX`].
 const CROWDED_ONE_CHUNK_RANKS: usize = 4;

@@ -220,7 +220,7 @@ impl State {
             return LaneRecv::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
                 Ok(()) => {
                     self.lane_copy(p, m, &mut out[..m.len]);
-                    // Accepted: the answer word goes with the slots' release.
+                    // Accepted: the answer word goes with the slot's release.
                     self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
                     Ok(Status {
                         peer: p,

@@ -16,11 +16,12 @@
 //!
 //! # The small-message lane
 //! Beside each ring, a *lane* of [`LANE_SLOTS`] one-cache-line slots carries messages of up to
-//! [`LANE_MAX`] bytes over consecutive slots: the first holds the message's header and the
-//! payload's first bytes, the others the rest; the first slot's word, written last, publishes
-//! the message with its sequence number and length, so an 8-byte message is one line and the
-//! receiver polls the very line it arrives in (a ring message crosses as two lines, the tail
-//! and then the frame). A point-to-point message is answered in an *answer word* (one line
+//! [`LANE_MAX`] bytes, one slot per message: the slot holds the message's header and, up to
+//! [`FIRST`] bytes, its payload; a longer payload lies whole and contiguous in the slot's own
+//! [`LANE_MAX`]-byte *chunk* (one copy in and one out, no line split by a word). The slot's
+//! word, written last, publishes the message with its sequence number and length, so an 8-byte
+//! message is one line and the receiver polls the very line it arrives in (a ring message
+//! crosses as two lines, the tail and then the frame). A point-to-point message is answered in an *answer word* (one line
 //! each, [`LANE_ACKS`] per direction) instead of an Ack frame; a refusal sets the word's
 //! refused bit and also sends the usual Nack frame, which says why. Order between lane and
 //! ring is kept by two rules: the producer writes to the lane only when the consumer has read
@@ -86,43 +87,40 @@ const OFF_CONSUMER_SLEEPING: usize = 128;
 const OFF_PRODUCER_WAITING: usize = 192;
 const OFF_MAGIC: usize = 256;
 const OFF_CAP: usize = 264;
-/// The small-message lane (see the module documentation): the consumer's count of slots
-/// taken, its answers (one word per outstanding answered message), and the slots.
+/// The small-message lane (see the module documentation): the consumer's count of messages
+/// taken, its answers (one word per outstanding answered message), the slots and their
+/// chunks.
 const OFF_LANE_HEAD: usize = 320;
 const OFF_ACKS: usize = 512;
 const OFF_SLOTS: usize = 2048;
-const OFF_DATA: usize = 8192;
+/// Each slot's chunk, for a payload longer than [`FIRST`].
+const OFF_CHUNKS: usize = 8192;
+const OFF_DATA: usize = OFF_CHUNKS + LANE_MAX * LANE_SLOTS as usize;
 /// Lane slots per direction.
 const LANE_SLOTS: u64 = 64;
-/// A slot (one cache line): its sequence word, then the body. A message takes consecutive
-/// slots: the first holds its header and the payload's first bytes, the others the rest. The
-/// first slot's word, written last, is its sequence number with its length in the top bits;
-/// the others' words are their own sequence numbers.
+/// A slot (one cache line): its sequence word, then the message's header and, when it fits,
+/// its payload. The word, written last, is the message's sequence number with its length in
+/// the top bits.
 const SLOT: usize = 64;
-const SLOT_BODY: usize = SLOT - 8;
-/// Payload bytes in a message's first slot.
-const FIRST: usize = SLOT_BODY - LANE_HEAD;
-/// The first slot's word: the low bits of its sequence number (compared as such: they wrap
-/// after 2^48 slots), the message's length above them.
+/// Payload bytes carried in the slot itself; a longer payload goes to the slot's chunk.
+const FIRST: usize = SLOT - 8 - LANE_HEAD;
+/// The slot's word: the low bits of its sequence number (compared as such: they wrap after
+/// 2^48 messages), the message's length above them.
 const LEN_SHIFT: u32 = 48;
 const SEQ_MASK: u64 = (1 << LEN_SHIFT) - 1;
 /// Answer word bit: the message was refused (a Nack frame on the ring says why).
 const ACK_REFUSED: u64 = 1 << 63;
-const MAGIC: u64 = 0x6469_7374_636f_6d33; // "distcom3"
+const MAGIC: u64 = 0x6469_7374_636f_6d34; // "distcom4"
 /// Each answer word has a cache line of its own: the producer reads the word of an old message
 /// (is it free?) while the consumer writes the newest one.
 const ACK_STRIDE: usize = 64;
 const _: () = assert!(OFF_ACKS + ACK_STRIDE * LANE_ACKS as usize <= OFF_SLOTS);
-const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_DATA);
-// The largest message fits the lane twice over.
-const _: () = assert!(2 * slots_for(LANE_MAX) <= LANE_SLOTS && LANE_MAX < 1 << 16);
+const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_CHUNKS);
+// Chunks start on cache lines and pages; the ring's data on a page.
+const _: () = assert!(OFF_CHUNKS % 4096 == 0 && LANE_MAX % 64 == 0 && OFF_DATA % 4096 == 0);
+const _: () = assert!(LANE_MAX < 1 << 16);
 
-/// Slots a lane message of `len` bytes takes.
-const fn slots_for(len: usize) -> u64 {
-    1 + (len.saturating_sub(FIRST).div_ceil(SLOT_BODY)) as u64
-}
-
-/// A lane message found by [`ShmLink::lane_peek`]: its first slot's sequence number (its id
+/// A lane message found by [`ShmLink::lane_peek`]: its slot's sequence number (its id
 /// for the answer) and its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneMsg {
@@ -212,6 +210,19 @@ impl Ring {
         unsafe { self.map.as_mut_ptr().add(Self::slot_off(seq) + 8) }
     }
 
+    /// Where the payload of lane message `seq` (`len` bytes) lies: after the header in its
+    /// slot when it fits there, else at the start of the slot's chunk. Either place has room
+    /// for `len <= LANE_MAX` bytes.
+    fn lane_payload(&self, seq: u64, len: usize) -> *mut u8 {
+        if len <= FIRST {
+            // SAFETY: LANE_HEAD + FIRST is the slot body's length.
+            return unsafe { self.slot_body(seq).add(LANE_HEAD) };
+        }
+        let chunk = OFF_CHUNKS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * LANE_MAX;
+        // SAFETY: the chunk lies inside the header area of the mapping (const assertions).
+        unsafe { self.map.as_mut_ptr().add(chunk) }
+    }
+
     /// The answer word of lane message `seq`.
     fn ack_word(&self, seq: u64) -> &AtomicU64 {
         self.atomic64(OFF_ACKS + ((seq % LANE_ACKS) as usize) * ACK_STRIDE)
@@ -231,7 +242,7 @@ impl Ring {
         self.atomic64(OFF_TAIL).load(Ordering::Acquire) != head
     }
 
-    /// Whether the lane holds a message after the `taken` slots the consumer took.
+    /// Whether the lane holds a message after the `taken` ones the consumer took.
     fn lane_ready(&self, taken: u64) -> bool {
         self.slot_seq(taken + 1).load(Ordering::Acquire) & SEQ_MASK == (taken + 1) & SEQ_MASK
     }
@@ -341,7 +352,7 @@ impl ShmLink {
     }
 
     /// Writes a small message (`head`, then at most [`LANE_MAX`] bytes of `payload`) to the
-    /// lane, if nothing written to the ring is still unread and its slots are free. Returns its
+    /// lane, if nothing written to the ring is still unread and a slot is free. Returns its
     /// sequence number and whether the consumer is asleep and needs a doorbell; `None` when the
     /// lane cannot take it.
     pub fn lane_send(
@@ -350,38 +361,27 @@ impl ShmLink {
         payload: &[u8],
     ) -> io::Result<Option<(u64, bool)>> {
         let len = payload.len();
-        let k = slots_for(len);
         if len > LANE_MAX
             || !self.ring_drained()?
-            || (self.lane_filled(false)? + k > LANE_SLOTS
-                && self.lane_filled(true)? + k > LANE_SLOTS)
+            || (self.lane_filled(false)? >= LANE_SLOTS && self.lane_filled(true)? >= LANE_SLOTS)
         {
             return Ok(None);
         }
         let seq = self.tx_lane.get() + 1;
         let r = &self.tx;
-        let first = len.min(FIRST);
-        // The continuation slots first, then the first slot, whose word publishes them all.
-        for (i, chunk) in (1..).zip(payload[first..].chunks(SLOT_BODY)) {
-            // SAFETY: `slot_body` is inside the mapping and has SLOT_BODY >= chunk.len() bytes;
-            // the consumer took the slot's previous message (room was checked) and reads it
-            // again only after the first slot's word below says message `seq` is there.
-            unsafe {
-                std::ptr::copy_nonoverlapping(chunk.as_ptr(), r.slot_body(seq + i), chunk.len())
-            };
-            r.slot_seq(seq + i).store(seq + i, Ordering::Release);
-        }
-        // SAFETY: as above, for the first slot: LANE_HEAD + first <= SLOT_BODY.
+        // SAFETY: the slot's body has LANE_HEAD bytes for the header, and the payload's place
+        // room for `len` bytes (`lane_payload`), both inside the mapping; the consumer took the
+        // slot's previous message (room was checked) and reads slot and chunk again only after
+        // the word below says message `seq` is there.
         unsafe {
-            let at = r.slot_body(seq);
-            std::ptr::copy_nonoverlapping(head.as_ptr(), at, LANE_HEAD);
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), at.add(LANE_HEAD), first);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), r.slot_body(seq), LANE_HEAD);
+            copy_raw(r.lane_payload(seq, len), payload.as_ptr(), len);
         }
         r.slot_seq(seq).store(
             seq & SEQ_MASK | (len as u64) << LEN_SHIFT,
             Ordering::Release,
         );
-        self.tx_lane.set(seq + k - 1);
+        self.tx_lane.set(seq);
         Ok(Some((seq, self.consumer_asleep())))
     }
 
@@ -402,8 +402,8 @@ impl ShmLink {
     }
 
     /// The next lane message, if one is there: its header is copied into `head`; nothing is
-    /// taken until [`lane_release`](Self::lane_release). A length or a continuation slot that
-    /// breaks the layout is an error (the peer wrote garbage).
+    /// taken until [`lane_release`](Self::lane_release). A length above [`LANE_MAX`] is an error
+    /// (the peer wrote garbage).
     pub fn lane_peek(&self, head: &mut [u8; LANE_HEAD]) -> io::Result<Option<LaneMsg>> {
         let r = &self.rx;
         let seq = self.rx_lane.get() + 1;
@@ -416,14 +416,7 @@ impl ShmLink {
         if len > LANE_MAX {
             return Err(bad(format!("shared-memory lane message of {len} bytes")));
         }
-        for i in 1..slots_for(len) {
-            if r.slot_seq(seq + i).load(Ordering::Relaxed) != seq + i {
-                return Err(bad(format!(
-                    "shared-memory lane message {seq} is incomplete"
-                )));
-            }
-        }
-        // SAFETY: the first slot's body has LANE_HEAD bytes; the producer wrote them before
+        // SAFETY: the slot's body has LANE_HEAD bytes; the producer wrote them before
         // publishing `seq` (acquired above) and keeps off until we release the message.
         unsafe { std::ptr::copy_nonoverlapping(r.slot_body(seq), head.as_mut_ptr(), LANE_HEAD) };
         Ok(Some(LaneMsg { seq, len }))
@@ -432,39 +425,21 @@ impl ShmLink {
     /// Copies the payload of message `m` (from [`lane_peek`](Self::lane_peek), not yet
     /// released) into `dst` (up to its length).
     pub fn lane_copy(&self, m: LaneMsg, dst: &mut [u8]) {
-        let r = &self.rx;
         let len = m.len.min(dst.len());
-        let first = len.min(FIRST);
-        // SAFETY: the slots of `m` lie inside the mapping, hold what the producer wrote before
-        // publishing `m` (checked by `lane_peek`), and stay untouched until we release them;
-        // each copy stays within one slot's body and within `dst`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                r.slot_body(m.seq).add(LANE_HEAD),
-                dst.as_mut_ptr(),
-                first,
-            );
-        }
-        for (i, chunk) in (1..).zip(dst[first..len].chunks_mut(SLOT_BODY)) {
-            // SAFETY: as above.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    r.slot_body(m.seq + i),
-                    chunk.as_mut_ptr(),
-                    chunk.len(),
-                )
-            };
-        }
+        // SAFETY: the payload's place holds `m.len >= len` bytes (`lane_payload`) that the
+        // producer wrote before publishing `m` (checked by `lane_peek`) and leaves untouched
+        // until we release it; `dst` has `len` bytes.
+        unsafe { copy_raw(dst.as_mut_ptr(), self.rx.lane_payload(m.seq, m.len), len) };
     }
 
-    /// Releases the slots of message `m`, first writing its answer (`Some(refused)`) when it
+    /// Releases the slot of message `m`, first writing its answer (`Some(refused)`) when it
     /// has one already. Returns whether the peer sleeps (or waits for room) and needs a
     /// doorbell.
     pub fn lane_release(&self, m: LaneMsg, answer: Option<bool>) -> bool {
         if let Some(refused) = answer {
             self.answer_word(m.seq, refused);
         }
-        let taken = m.seq + slots_for(m.len) - 1;
+        let taken = m.seq;
         self.rx_lane.set(taken);
         self.rx
             .atomic64(OFF_LANE_HEAD)

@@ -120,37 +120,58 @@ impl State {
         Ok(any)
     }
 
-    /// Takes lane message `m` from `p` and delivers it like an eager frame's payload.
+    /// Takes lane message `m` from `p` and delivers it like an eager frame's payload: straight
+    /// from the lane into a matching posted receive (answered in the same step as the release),
+    /// else into a spare buffer on the unexpected queue.
     pub(super) fn lane_deliver(&mut self, p: usize, h: Header, m: LaneMsg) {
-        let mut data = vec![0u8; m.len];
-        self.lane_copy(p, m, &mut data);
-        self.lane_release(p, m, false);
         if self.cancelled.contains((h.ctx, h.tag)) {
+            self.lane_release(p, m, false);
             self.refuse_cancelled(p, &h);
-        } else {
-            self.deliver_eager(p, h, data);
+            return;
+        }
+        let Some(mut r) = self.matcher.take_posted(p, (h.ctx, h.tag)) else {
+            let mut data = self.spare_temps.take_len(m.len);
+            self.lane_copy(p, m, &mut data);
+            self.lane_release(p, m, false);
+            self.matcher.push_unexpected(Unexpected {
+                src: p,
+                hdr: h,
+                data: Some(data),
+            });
+            return;
+        };
+        match self.check(&mut r, p, &h) {
+            Ok(()) => {
+                // `check` made sure the buffer holds `h.len == m.len` bytes.
+                self.lane_copy(p, m, &mut r.buf.bytes_mut()[..m.len]);
+                self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+                complete_recv(r, p, &h);
+            }
+            Err(refused) => {
+                self.lane_release(p, m, false);
+                self.refuse(p, &h, r, refused);
+            }
         }
     }
 
     /// Completes our lane sends to `p` whose answer word says accepted.
     pub(super) fn poll_lane_acks(&mut self, p: usize) {
-        let Some(Some(peer)) = self.peers.get_mut(p) else {
-            return;
-        };
-        let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
-            return;
-        };
-        let mut done = Vec::new();
-        for w in peer.lane_waits.iter_mut() {
-            if let Some(LaneWait::Op { seq, id }) = *w {
-                if link.answered(seq) == Some(true) {
-                    *w = None;
-                    done.push(id);
-                }
+        for at in 0..LANE_ACKS as usize {
+            let Some(Some(peer)) = self.peers.get_mut(p) else {
+                return;
+            };
+            let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
+                return;
+            };
+            let Some(Some(LaneWait::Op { seq, id })) = peer.lane_waits.get(at) else {
+                continue;
+            };
+            let (seq, id) = (*seq, *id);
+            if link.answered(seq) != Some(true) {
+                continue;
             }
-        }
-        peer.lane_ops -= done.len();
-        for id in done {
+            peer.lane_waits[at] = None;
+            peer.lane_ops -= 1;
             if let Some(s) = self.sends.remove(&id) {
                 s.cell.complete(Ok(s.status(p)), s.buf);
             }

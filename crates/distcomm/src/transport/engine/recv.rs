@@ -99,12 +99,24 @@ impl State {
         };
         match self.check(&mut r, src, h) {
             Ok(()) => Some((r, data)),
-            Err((e, reason)) => {
-                self.answer(src, h, Some(r.refusal(reason)));
-                r.cell.complete(Err(e), None);
+            Err(refused) => {
+                self.refuse(src, h, r, refused);
                 None
             }
         }
+    }
+
+    /// Refuses the message `h` from `src` that matched receive `r`: answers the sender with
+    /// why, and fails the receive.
+    pub(super) fn refuse(
+        &mut self,
+        src: usize,
+        h: &Header,
+        r: Posted,
+        (e, reason): (Error, NackReason),
+    ) {
+        self.answer(src, h, Some(r.refusal(reason)));
+        r.cell.complete(Err(e), None);
     }
 
     /// Delivers a fully received eager payload: into a matching posted receive, or into the

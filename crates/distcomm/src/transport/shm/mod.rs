@@ -21,14 +21,16 @@
 //! [`LANE_MAX`]-byte *chunk* (one copy in and one out, no line split by a word). The slot's
 //! word, written last, publishes the message with its sequence number and length, so an 8-byte
 //! message is one line and the receiver polls the very line it arrives in (a ring message
-//! crosses as two lines, the tail and then the frame). A point-to-point message is answered in an *answer word* (one line
-//! each, [`LANE_ACKS`] per direction) instead of an Ack frame; a refusal sets the word's
-//! refused bit and also sends the usual Nack frame, which says why. Order between lane and
-//! ring is kept by two rules: the producer writes to the lane only when the consumer has read
-//! every ring byte, and to the ring only when the consumer has taken every lane message; so at
-//! most one of them holds unread messages, and the consumer takes the lane before the ring.
-//! The engine's blocking send and receive use the lane without a handle or an allocation
-//! (`tcp::Engine::send_small`).
+//! crosses as two lines, the tail and then the frame). Payloads live apart from the slots so
+//! that no payload byte can ever be read as the word of a later message. A point-to-point
+//! message is answered in an *answer word* (one line each, [`LANE_ACKS`] per direction)
+//! instead of an Ack frame; a refusal sets the word's refused bit and also sends the usual Nack
+//! frame, which says why. Order between lane and ring is kept by two rules: the producer writes
+//! to the lane only when the consumer has read every ring byte, and to the ring only when the
+//! consumer has taken every lane message; so at most one of them holds unread messages, and
+//! the consumer takes the lane before the ring. The engine's blocking send and receive use the
+//! lane without a handle or an allocation (`tcp::Engine::send_small`); a message for a posted
+//! receive is copied from its slot or chunk straight into the receive's buffer.
 //!
 //! Large messages skip the ring: the sender announces the address of its buffer (`Rget`) and
 //! the receiver copies it straight into the posted receive with `process_vm_readv(2)` (Linux

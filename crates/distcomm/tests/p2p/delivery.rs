@@ -187,8 +187,9 @@ fn tags_match_and_order_is_non_overtaking() {
     );
 }
 
-/// Small messages (which a shared-memory link carries in its lane, one cache line each) and
-/// large ones (its ring), on one tag and through every receive call: each arrives in order.
+/// Small messages (which a shared-memory link carries in its lane: one slot each, the longer
+/// ones' payload in the slot's chunk) and large ones (its ring), on one tag and through every
+/// receive call: each arrives in order.
 #[test]
 fn small_and_large_messages_on_one_tag_keep_their_order() {
     run(

@@ -187,7 +187,7 @@ fn small_message_refusals_fail_both_sides() {
                     assert_eq!(small, [9; 8], "a refused message writes nothing");
                 }
             }
-            // A message over several lane slots, refused for its size.
+            // A lane message with its payload in a chunk, refused for its size.
             if g.rank() == 0 {
                 match g.send(&[3u8; 600], peer, 2) {
                     Err(Error::MessageTooLarge { sent, capacity, .. }) => {

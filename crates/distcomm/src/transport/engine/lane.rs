@@ -142,7 +142,7 @@ impl State {
         };
         match self.check(&mut r, p, &h) {
             Ok(()) => {
-                // `check` made sure the buffer holds `h.len == m.len` bytes.
+                // `check` made sure the buffer holds at least `h.len == m.len` bytes.
                 self.lane_copy(p, m, &mut r.buf.bytes_mut()[..m.len]);
                 self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
                 complete_recv(r, p, &h);
@@ -156,24 +156,21 @@ impl State {
 
     /// Completes our lane sends to `p` whose answer word says accepted.
     pub(super) fn poll_lane_acks(&mut self, p: usize) {
-        for at in 0..LANE_ACKS as usize {
-            let Some(Some(peer)) = self.peers.get_mut(p) else {
-                return;
-            };
-            let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
-                return;
-            };
-            let Some(Some(LaneWait::Op { seq, id })) = peer.lane_waits.get(at) else {
-                continue;
-            };
-            let (seq, id) = (*seq, *id);
-            if link.answered(seq) != Some(true) {
-                continue;
-            }
-            peer.lane_waits[at] = None;
-            peer.lane_ops -= 1;
-            if let Some(s) = self.sends.remove(&id) {
-                s.cell.complete(Ok(s.status(p)), s.buf);
+        let Some(Some(peer)) = self.peers.get_mut(p) else {
+            return;
+        };
+        let Some(link) = peer.link.shm.as_ref().filter(|_| peer.lane_ops > 0) else {
+            return;
+        };
+        for w in peer.lane_waits.iter_mut() {
+            if let Some(LaneWait::Op { seq, id }) = *w {
+                if link.answered(seq) == Some(true) {
+                    *w = None;
+                    peer.lane_ops -= 1;
+                    if let Some(s) = self.sends.remove(&id) {
+                        s.cell.complete(Ok(s.status(p)), s.buf);
+                    }
+                }
             }
         }
     }

@@ -157,9 +157,8 @@ impl State {
             self.matcher.push_posted(r);
             return;
         };
-        if let Err((e, reason)) = self.check(&mut r, u.src, &u.hdr) {
-            self.answer(u.src, &u.hdr, Some(r.refusal(reason)));
-            r.cell.complete(Err(e), None);
+        if let Err(refused) = self.check(&mut r, u.src, &u.hdr) {
+            self.refuse(u.src, &u.hdr, r, refused);
             return;
         }
         match u.data {
@@ -204,9 +203,8 @@ impl State {
                     None => Target::Temp(self.spare_temps.take_len(h.len as usize)),
                     Some(mut r) => match self.check(&mut r, p, &h) {
                         Ok(()) => Target::Recv(r),
-                        Err((e, reason)) => {
-                            self.answer(p, &h, Some(r.refusal(reason)));
-                            r.cell.complete(Err(e), None);
+                        Err(refused) => {
+                            self.refuse(p, &h, r, refused);
                             Target::Discard
                         }
                     },
@@ -231,10 +229,7 @@ impl State {
                             r.cell.kick();
                             self.rdv.expect(p, h.msg_id, r, h.len);
                         }
-                        Err((e, reason)) => {
-                            self.answer(p, &h, Some(r.refusal(reason)));
-                            r.cell.complete(Err(e), None);
-                        }
+                        Err(refused) => self.refuse(p, &h, r, refused),
                     },
                 }
                 Ok(Rx::Header)

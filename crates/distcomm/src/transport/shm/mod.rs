@@ -122,6 +122,11 @@ const _: () = assert!(OFF_SLOTS + SLOT * LANE_SLOTS as usize <= OFF_CHUNKS);
 const _: () = assert!(OFF_CHUNKS % 4096 == 0 && LANE_MAX % 64 == 0 && OFF_DATA % 4096 == 0);
 const _: () = assert!(LANE_MAX < 1 << 16);
 
+/// The slot (and chunk) of lane message `seq` (from 1).
+const fn slot_index(seq: u64) -> usize {
+    (seq.wrapping_sub(1) % LANE_SLOTS) as usize
+}
+
 /// A lane message found by [`ShmLink::lane_peek`]: its slot's sequence number (its id
 /// for the answer) and its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,7 +208,7 @@ impl Ring {
     }
 
     fn slot_off(seq: u64) -> usize {
-        OFF_SLOTS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * SLOT
+        OFF_SLOTS + slot_index(seq) * SLOT
     }
 
     /// The body of lane slot `seq`.
@@ -220,8 +225,9 @@ impl Ring {
             // SAFETY: LANE_HEAD + FIRST is the slot body's length.
             return unsafe { self.slot_body(seq).add(LANE_HEAD) };
         }
-        let chunk = OFF_CHUNKS + ((seq.wrapping_sub(1) % LANE_SLOTS) as usize) * LANE_MAX;
-        // SAFETY: the chunk lies inside the header area of the mapping (const assertions).
+        let chunk = OFF_CHUNKS + slot_index(seq) * LANE_MAX;
+        // SAFETY: the chunk lies inside the mapping: the chunks end at OFF_DATA (its definition),
+        // which the mapping exceeds (checked when mapped).
         unsafe { self.map.as_mut_ptr().add(chunk) }
     }
 
@@ -427,10 +433,12 @@ impl ShmLink {
     /// Copies the payload of message `m` (from [`lane_peek`](Self::lane_peek), not yet
     /// released) into `dst` (up to its length).
     pub fn lane_copy(&self, m: LaneMsg, dst: &mut [u8]) {
-        let len = m.len.min(dst.len());
-        // SAFETY: the payload's place holds `m.len >= len` bytes (`lane_payload`) that the
-        // producer wrote before publishing `m` (checked by `lane_peek`) and leaves untouched
-        // until we release it; `dst` has `len` bytes.
+        // `lane_peek` bounds `m.len` already; bounded again so that no `LaneMsg` can make this
+        // copy leave its chunk.
+        let len = m.len.min(dst.len()).min(LANE_MAX);
+        // SAFETY: the payload's place has room for `len <= min(m.len, LANE_MAX)` bytes
+        // (`lane_payload`), which the producer wrote before publishing `m` (checked by
+        // `lane_peek`) and leaves untouched until we release it; `dst` has `len` bytes.
         unsafe { copy_raw(dst.as_mut_ptr(), self.rx.lane_payload(m.seq, m.len), len) };
     }
 

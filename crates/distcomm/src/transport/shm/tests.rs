@@ -71,7 +71,7 @@ fn take(link: &ShmLink) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
 }
 
 #[test]
-fn lane_keeps_order_and_sizes_and_refuses_when_full() {
+fn lane_keeps_order_and_sizes() {
     let link = pair(4096);
     // Sizes around the slot's inline limit; sent and taken in waves that wrap the slots.
     let lens = [0, 1, 8, FIRST, FIRST + 1, 64, 200, 1000, LANE_MAX];
@@ -79,14 +79,11 @@ fn lane_keeps_order_and_sizes_and_refuses_when_full() {
     for wave in 0..20u8 {
         for (k, &len) in lens.iter().enumerate() {
             let tag = wave.wrapping_mul(16).wrapping_add(k as u8);
-            match link.lane_send(&head(tag), &payload(tag, len)).unwrap() {
-                Some((seq, _)) => sent.push_back((seq, tag, len)),
-                None => {
-                    // Full: the lane holds at most LANE_SLOTS messages.
-                    assert_eq!(sent.len() as u64, LANE_SLOTS, "refused with room");
-                    break;
-                }
-            }
+            let (seq, _) = link
+                .lane_send(&head(tag), &payload(tag, len))
+                .unwrap()
+                .unwrap();
+            sent.push_back((seq, tag, len));
         }
         while sent.len() > 2 {
             let (seq, tag, len) = sent.pop_front().unwrap();
@@ -189,6 +186,47 @@ fn sleeping_consumer_is_rung_for_a_lane_message() {
         link.prepare_sleep(false),
         "a lane message is waiting: do not sleep"
     );
+}
+
+#[test]
+fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
+    let link = pair(4096);
+    for round in 0..3u8 {
+        // Full with LANE_SLOTS messages, inline and chunked alike, then refused.
+        for k in 0..LANE_SLOTS {
+            let len = if k % 2 == 0 { LANE_MAX } else { 8 };
+            assert!(
+                link.lane_send(&head(round), &payload(round, len))
+                    .unwrap()
+                    .is_some(),
+                "round {round}: message {k} refused with room"
+            );
+        }
+        assert!(
+            link.lane_send(&head(round), b"x").unwrap().is_none(),
+            "full"
+        );
+        // One taken: exactly one more fits, in the slot (and chunk) just freed.
+        let (_, h, data) = take(&link).unwrap();
+        assert_eq!((h, data), (head(round), payload(round, LANE_MAX)));
+        link.lane_send(&head(round), &payload(round, LANE_MAX))
+            .unwrap()
+            .unwrap();
+        assert!(
+            link.lane_send(&head(round), b"x").unwrap().is_none(),
+            "full again"
+        );
+        for k in 1..=LANE_SLOTS {
+            let len = if k % 2 == 0 { LANE_MAX } else { 8 };
+            let (_, h, data) = take(&link).unwrap();
+            assert_eq!(
+                (h, data),
+                (head(round), payload(round, len)),
+                "round {round}: {k}"
+            );
+        }
+        assert!(take(&link).is_none());
+    }
 }
 
 #[test]

@@ -82,6 +82,20 @@ fn bare_bench_starts_its_own_ranks() {
 }
 
 #[test]
+fn bench_p2p_with_handles_says_so_and_verifies() {
+    let stdout = run_ok(&["bench", "p2p", "--handles", "--sizes", "8,2K", "-n", "2"]);
+    assert!(
+        stdout.contains("isend/irecv handles at every size"),
+        "{stdout}"
+    );
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("pingpong")).collect();
+    assert!(
+        rows.len() == 3 && rows[1..].iter().all(|l| l.ends_with("ok")),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn bench_explains_its_columns_and_says_where_the_plot_went() {
     let dir = std::env::temp_dir().join(format!("distcomm-cli-plot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -144,6 +144,10 @@ pub struct BenchArgs {
     /// Messages in flight in the streaming test.
     #[arg(long, default_value_t = 16)]
     window: usize,
+    /// Time the p2p ping-pong with `isend`/`irecv` handles at every size (by default messages
+    /// up to 1 KiB take the blocking calls, whose shared-memory fast path needs no handle).
+    #[arg(long)]
+    handles: bool,
     /// The device of `bench staging`: emulated (host memory staged as a GPU's would be), host
     /// (no staging), wgpu or cuda (builds with those features).
     #[arg(long, default_value = "emulated")]
@@ -266,7 +270,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut coll_header = false;
     for &suite in &suites {
         if lead {
-            for line in header(suite, group.size(), window, &mut coll_header) {
+            for line in header(
+                suite,
+                group.size(),
+                (window, args.handles),
+                &mut coll_header,
+            ) {
                 say(line);
             }
         }
@@ -306,7 +315,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn run_size(g: &ProcessGroup, args: &BenchArgs, suite: Suite, size: usize) -> Result<Vec<Record>> {
     let check = !args.no_check;
     match suite {
-        Suite::P2p => p2p::run_size(g, size, args.window.max(1), check),
+        Suite::P2p => p2p::run_size(g, size, (args.window.max(1), args.handles), check),
         Suite::Staging => staging::run_size(g, &args.device, size),
         Suite::Collective(op) => Ok(collectives::run_op(g, op, args.dtype, size, check)?
             .into_iter()
@@ -314,11 +323,11 @@ fn run_size(g: &ProcessGroup, args: &BenchArgs, suite: Suite, size: usize) -> Re
     }
 }
 
-/// The column header of `suite` (`coll_done`: the collectives' header is out already; they
-/// share it).
-fn header(suite: Suite, n: usize, window: usize, coll_done: &mut bool) -> Vec<String> {
+/// The column header of `suite` (`p2p`: the stream's window and whether the ping-pong uses
+/// handles; `coll_done`: the collectives' header is out already; they share it).
+fn header(suite: Suite, n: usize, p2p: (usize, bool), coll_done: &mut bool) -> Vec<String> {
     match suite {
-        Suite::P2p => p2p::header(window),
+        Suite::P2p => p2p::header(p2p.0, p2p.1),
         Suite::Staging => Vec::new(),
         Suite::Collective(_) if !std::mem::replace(coll_done, true) => collectives::header(n),
         Suite::Collective(_) => Vec::new(),

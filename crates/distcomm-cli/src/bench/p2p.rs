@@ -1,5 +1,5 @@
 //! `distcomm bench p2p`: ping-pong (half a round trip, blocking calls for small messages and
-//! owned buffers above) and streaming (a window of isends against as many irecvs) between
+//! owned buffers above, or handles at every size with `--handles`) and streaming (a window of isends against as many irecvs) between
 //! ranks 0 and 1, each verified on known payloads before and after the timed messages.
 //!
 //! Owns: the point-to-point benchmarks, their payload check and their header. Must not know:
@@ -12,13 +12,20 @@ use distcomm::{DType, Error, ProcessGroup, Result};
 use super::record::{median_spread, record, Record, SPREAD};
 use super::warm::warm_up;
 
-/// The header of the point-to-point rows: what is timed and how (`window`: the stream's depth).
-pub fn header(window: usize) -> Vec<String> {
+/// The header of the point-to-point rows: what is timed and how (`window`: the stream's depth;
+/// `handles`: the ping-pong uses `isend`/`irecv` handles at every size).
+pub fn header(window: usize, handles: bool) -> Vec<String> {
+    let calls = if handles {
+        "isend/irecv handles at every size"
+    } else {
+        "blocking send/recv up to 1 KiB, isend/irecv handles above"
+    };
     vec![
         "#".into(),
-        "# pingpong: ranks 0 and 1 send a message back and forth; time = half a round trip, \
-         median of ~40 timed batches"
-            .into(),
+        format!(
+            "# pingpong: ranks 0 and 1 send a message back and forth ({calls}); time = half a \
+             round trip, median of ~40 timed batches"
+        ),
         format!(
             "# stream: rank 0 posts {window} isends of size bytes, rank 1 as many irecvs; \
              time = per message, median over windows"
@@ -31,11 +38,17 @@ pub fn header(window: usize) -> Vec<String> {
     ]
 }
 
-/// Ping-pong, then streaming with `window` messages in flight, at `size` bytes (`check`:
-/// verify the payloads). Returns the records on rank 0.
-pub fn run_size(g: &ProcessGroup, size: usize, window: usize, check: bool) -> Result<Vec<Record>> {
+/// Ping-pong (with handles at every size when `handles`), then streaming with `window` messages
+/// in flight, at `size` bytes (`check`: verify the payloads). Returns the records on rank 0.
+pub fn run_size(
+    g: &ProcessGroup,
+    size: usize,
+    (window, handles): (usize, bool),
+    check: bool,
+) -> Result<Vec<Record>> {
+    let blocking_max = if handles { 0 } else { BLOCKING_MAX };
     let mut v = Vec::new();
-    v.extend(pingpong(g, size, check)?);
+    v.extend(pingpong(g, size, blocking_max, check)?);
     g.barrier()?;
     v.extend(stream(g, size, window, check)?);
     Ok(v)
@@ -69,10 +82,15 @@ fn verify(buf: &[u8], seed: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// One round trip 0 -> 1 -> 0: small messages with the blocking calls on slices (what
-/// `MPI_Send`/`MPI_Recv` are), larger ones with owned buffers (no copies in distcomm).
-fn round_trip(g: &ProcessGroup, buf: Vec<u8>, mut rbuf: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>)> {
-    if buf.len() <= BLOCKING_MAX {
+/// One round trip 0 -> 1 -> 0: messages up to `blocking_max` bytes with the blocking calls on
+/// slices (what `MPI_Send`/`MPI_Recv` are), larger ones with handles on owned buffers (no
+/// copies in distcomm).
+fn round_trip(
+    g: &ProcessGroup,
+    (buf, mut rbuf): (Vec<u8>, Vec<u8>),
+    blocking_max: usize,
+) -> Result<(Vec<u8>, Vec<u8>)> {
+    if buf.len() <= blocking_max {
         if g.rank() == 0 {
             g.send(&buf, 1, 0)?;
             g.recv(&mut rbuf, 1, 1)?;
@@ -104,7 +122,12 @@ const BLOCKING_MAX: usize = distcomm::transport::LANE_MAX;
 /// The tag of rank 0's word to go on warming up.
 const WARM_TAG: u32 = 2;
 
-fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>> {
+fn pingpong(
+    g: &ProcessGroup,
+    size: usize,
+    blocking_max: usize,
+    check: bool,
+) -> Result<Option<Record>> {
     if g.rank() > 1 {
         return Ok(None);
     }
@@ -117,7 +140,7 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         if check && g.rank() == 0 {
             fill(&mut buf, seed);
         }
-        let (buf, rbuf) = round_trip(g, buf, rbuf)?;
+        let (buf, rbuf) = round_trip(g, (buf, rbuf), blocking_max)?;
         if check {
             verify(&rbuf, seed, "pingpong")?;
         }
@@ -132,7 +155,7 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
         || {
             for _ in 0..batch {
                 let (b, r) = std::mem::take(&mut bufs);
-                bufs = round_trip(g, b, r)?;
+                bufs = round_trip(g, (b, r), blocking_max)?;
             }
             Ok(())
         },
@@ -154,7 +177,7 @@ fn pingpong(g: &ProcessGroup, size: usize, check: bool) -> Result<Option<Record>
     for _ in 0..iters / batch {
         let t = Instant::now();
         for _ in 0..batch {
-            (buf, rbuf) = round_trip(g, buf, rbuf)?;
+            (buf, rbuf) = round_trip(g, (buf, rbuf), blocking_max)?;
         }
         samples.push(t.elapsed().as_secs_f64() / (2 * batch) as f64);
     }

@@ -2,10 +2,12 @@
 """Same-run comparison of distcomm with Open MPI on this machine, transport against transport
 (TCP with TCP, shared memory with shared memory), and optionally PyTorch gloo.
 
-    python3 scripts/compare.py p2p [--transport tcp|shm] [--reps 5] [--gloo /venv/bin/python]
+    python3 scripts/compare.py p2p [--transport tcp|shm] [--reps 5] [--gloo /venv/bin/python] [--handles]
     python3 scripts/compare.py all_reduce --world 4 [--transport shm] [--sizes 8,1M,64M] [--reps 3]
 
-p2p: half round trip and ping-pong bandwidth, world 2. all_reduce: time and bus bandwidth, world
+p2p: half round trip and ping-pong bandwidth, world 2 (`--handles`: both with nonblocking calls
+at every size, `distcomm bench p2p --handles` against scripts/mpi_handles.c's MPI_Isend/
+MPI_Irecv/MPI_Wait; otherwise blocking calls up to 1 KiB against MPI_Send/MPI_Recv). all_reduce: time and bus bandwidth, world
 N. Every size in --sizes (default 8,64M) gets both columns.
 
 Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev`) and ../shared/bench/mpi_bench.c.
@@ -41,11 +43,11 @@ def mpi_run(exe, world, op, transport):
     return res
 
 
-def ours_run(distcomm, world, suite, transport, sizes):
+def ours_run(distcomm, world, suite, transport, sizes, extra=()):
     env = dict(os.environ, DISTCOMM_TRANSPORT=transport)
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         subprocess.run([distcomm, "bench", suite, "-n", str(world), "--sizes", sizes,
-                        "--json", tmp.name], capture_output=True, check=True, env=env)
+                        "--json", tmp.name, *extra], capture_output=True, check=True, env=env)
         recs = json.load(open(tmp.name))
     op = "pingpong" if suite == "p2p" else suite
     return {r["bytes"]: (r["time_us"], r["busbw_gbs"]) for r in recs if r["op"] == op}
@@ -70,23 +72,32 @@ def main():
     ap.add_argument("--gloo", help="python with torch, to run gloo_bench.py once")
     ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
     ap.add_argument("--sizes", default="8,64M", help="sizes known to mpi_bench (8,1K,64K,1M,16M,64M)")
+    ap.add_argument("--handles", action="store_true",
+                    help="p2p with nonblocking calls (isend/irecv + wait) on both sides")
     a = ap.parse_args()
+    if a.handles and a.suite != "p2p":
+        ap.error("--handles applies to p2p only")
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "distcomm-cli"], cwd=ROOT, check=True)
     distcomm = os.path.join(ROOT, "target", "release", "distcomm")
-    mpi_exe = os.path.join(tempfile.gettempdir(), "distcomm_mpi_bench")
-    subprocess.run(["mpicc", "-O2", "-o", mpi_exe, os.path.join(BENCH, "mpi_bench.c")], check=True)
+    src = (os.path.join(ROOT, "scripts", "mpi_handles.c") if a.handles
+           else os.path.join(BENCH, "mpi_bench.c"))
+    mpi_exe = os.path.join(tempfile.gettempdir(),
+                           "distcomm_mpi_handles" if a.handles else "distcomm_mpi_bench")
+    subprocess.run(["mpicc", "-O2", "-o", mpi_exe, src], check=True)
+    extra = ["--handles"] if a.handles else []
     mop = "pingpong" if a.suite == "p2p" else "allreduce"
     world = 2 if a.suite == "p2p" else a.world
     mpi, ours = [], []
     for _ in range(a.reps):
         mpi.append(mpi_run(mpi_exe, world, mop, a.transport))
-        ours.append(ours_run(distcomm, world, a.suite, a.transport, a.sizes))
+        ours.append(ours_run(distcomm, world, a.suite, a.transport, a.sizes, extra))
     med = lambda runs, size, i: statistics.median(r[size][i] for r in runs)
     gloo = gloo_run(a.gloo, world, mop) if a.gloo else None
     sizes = sorted(ours[0])
     what = "half round trip" if a.suite == "p2p" else "all_reduce time"
     bw = "ping-pong bandwidth" if a.suite == "p2p" else "all_reduce busbw"
-    print(f"world {world}, {a.transport}, {a.reps} interleaved runs each (medians)")
+    calls = ", nonblocking calls (handles)" if a.handles else ""
+    print(f"world {world}, {a.transport}{calls}, {a.reps} interleaved runs each (medians)")
     head = f"{'metric':<40}{'distcomm':>10}{'OMPI ' + a.transport:>10}{'ratio':>8}"
     if gloo:
         head += f"{'gloo':>10}{'ratio':>8}"

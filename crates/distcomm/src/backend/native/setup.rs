@@ -64,7 +64,7 @@ impl Native<'_> {
         };
         let cfg = EngineConfig {
             eager_max: env.eager_max.unwrap_or(64 * 1024),
-            shm_eager_max: env.shm_eager_max.unwrap_or(16 * 1024),
+            shm_eager_max: env.shm_eager_max.unwrap_or(32 * 1024),
             spin,
             yield_spin: oversubscribed,
             sockbuf: env.sockbuf,

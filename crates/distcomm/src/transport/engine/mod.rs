@@ -140,9 +140,13 @@ pub struct EngineConfig {
     /// Largest message sent inline without a receiver-ready handshake.
     pub eager_max: usize,
     /// The same towards shared-memory peers with cross-memory attach: larger messages are
-    /// copied straight between the processes. Measured (ping-pong, 2 ranks): up to 16 KiB the
-    /// ring wins (12 KiB 2.9 vs 3.6–4.2 µs), from 24–32 KiB the direct copy (32 KiB 4.8 vs
-    /// 6.1 µs, 64 KiB 6.5–7.1 vs 10.4 µs).
+    /// copied straight between the processes. Measured (ping-pong and stream, 2 ranks, through
+    /// the ring against the direct copy, new/old time, alternating runs gated on the cache-line
+    /// round trip): with the two vCPUs sharing a core's caches the ring wins up to 64 KiB (20 KiB
+    /// 0.38x, 32 KiB 0.50x, 64 KiB 0.65-0.72x), on separate caches (as distinct cores are) up
+    /// to 24-32 KiB only (20-24 KiB 0.73-0.85x, 32 KiB 0.96x, 64 KiB 1.27-1.32x): 32 KiB by
+    /// default. (An earlier build measured the ring slower from 24 KiB: 32 KiB 6.1 against
+    /// 4.8 µs.)
     pub shm_eager_max: usize,
     /// How long a waiter spins (driving progress) before it sleeps.
     pub spin: Duration,

@@ -1,6 +1,7 @@
 //! `distcomm bench p2p`: ping-pong (half a round trip, blocking calls for small messages and
-//! owned buffers above, or handles at every size with `--handles`) and streaming (a window of isends against as many irecvs) between
-//! ranks 0 and 1, each verified on known payloads before and after the timed messages.
+//! owned buffers above, or handles at every size with `--handles`) and streaming (a window of
+//! isends against as many irecvs) between ranks 0 and 1, each verified on known payloads
+//! before and after the timed messages.
 //!
 //! Owns: the point-to-point benchmarks, their payload check and their header. Must not know:
 //! the other suites, the command line, or how results are written.
@@ -46,9 +47,8 @@ pub fn run_size(
     (window, handles): (usize, bool),
     check: bool,
 ) -> Result<Vec<Record>> {
-    let blocking_max = if handles { 0 } else { BLOCKING_MAX };
     let mut v = Vec::new();
-    v.extend(pingpong(g, size, blocking_max, check)?);
+    v.extend(pingpong(g, size, !handles && size <= BLOCKING_MAX, check)?);
     g.barrier()?;
     v.extend(stream(g, size, window, check)?);
     Ok(v)
@@ -82,15 +82,14 @@ fn verify(buf: &[u8], seed: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// One round trip 0 -> 1 -> 0: messages up to `blocking_max` bytes with the blocking calls on
-/// slices (what `MPI_Send`/`MPI_Recv` are), larger ones with handles on owned buffers (no
-/// copies in distcomm).
+/// One round trip 0 -> 1 -> 0: with the blocking calls on slices (`blocking`: what
+/// `MPI_Send`/`MPI_Recv` are), else with handles on owned buffers (no copies in distcomm).
 fn round_trip(
     g: &ProcessGroup,
     (buf, mut rbuf): (Vec<u8>, Vec<u8>),
-    blocking_max: usize,
+    blocking: bool,
 ) -> Result<(Vec<u8>, Vec<u8>)> {
-    if buf.len() <= blocking_max {
+    if blocking {
         if g.rank() == 0 {
             g.send(&buf, 1, 0)?;
             g.recv(&mut rbuf, 1, 1)?;
@@ -122,12 +121,8 @@ const BLOCKING_MAX: usize = distcomm::transport::LANE_MAX;
 /// The tag of rank 0's word to go on warming up.
 const WARM_TAG: u32 = 2;
 
-fn pingpong(
-    g: &ProcessGroup,
-    size: usize,
-    blocking_max: usize,
-    check: bool,
-) -> Result<Option<Record>> {
+/// Ping-pong at `size` bytes, with the blocking calls or with handles (`blocking`).
+fn pingpong(g: &ProcessGroup, size: usize, blocking: bool, check: bool) -> Result<Option<Record>> {
     if g.rank() > 1 {
         return Ok(None);
     }
@@ -140,7 +135,7 @@ fn pingpong(
         if check && g.rank() == 0 {
             fill(&mut buf, seed);
         }
-        let (buf, rbuf) = round_trip(g, (buf, rbuf), blocking_max)?;
+        let (buf, rbuf) = round_trip(g, (buf, rbuf), blocking)?;
         if check {
             verify(&rbuf, seed, "pingpong")?;
         }
@@ -155,7 +150,7 @@ fn pingpong(
         || {
             for _ in 0..batch {
                 let (b, r) = std::mem::take(&mut bufs);
-                bufs = round_trip(g, (b, r), blocking_max)?;
+                bufs = round_trip(g, (b, r), blocking)?;
             }
             Ok(())
         },
@@ -177,7 +172,7 @@ fn pingpong(
     for _ in 0..iters / batch {
         let t = Instant::now();
         for _ in 0..batch {
-            (buf, rbuf) = round_trip(g, (buf, rbuf), blocking_max)?;
+            (buf, rbuf) = round_trip(g, (buf, rbuf), blocking)?;
         }
         samples.push(t.elapsed().as_secs_f64() / (2 * batch) as f64);
     }

@@ -129,29 +129,35 @@ impl State {
             self.refuse_cancelled(p, &h);
             return;
         }
-        let Some(mut r) = self.matcher.take_posted(p, (h.ctx, h.tag)) else {
-            let mut data = self.spare_temps.take_len(m.len);
-            self.lane_copy(p, m, &mut data);
-            self.lane_release(p, m, false);
-            self.matcher.push_unexpected(Unexpected {
-                src: p,
-                hdr: h,
-                data: Some(data),
-            });
-            return;
-        };
-        match self.check(&mut r, p, &h) {
-            Ok(()) => {
+        match self.take_matching(p, &h) {
+            Matched::Recv(mut r) => {
                 // `check` made sure the buffer holds at least `h.len == m.len` bytes.
-                self.lane_copy(p, m, &mut r.buf.bytes_mut()[..m.len]);
-                self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+                self.lane_accept(p, &h, m, r.buf.bytes_mut());
                 complete_recv(r, p, &h);
             }
-            Err(refused) => {
+            Matched::Unposted => {
+                let mut data = self.spare_temps.take_len(m.len);
+                self.lane_copy(p, m, &mut data);
                 self.lane_release(p, m, false);
-                self.refuse(p, &h, r, refused);
+                self.matcher.push_unexpected(Unexpected {
+                    src: p,
+                    hdr: h,
+                    data: Some(data),
+                });
+            }
+            Matched::Refused(r, why) => {
+                self.lane_release(p, m, false);
+                self.refuse(p, &h, r, why);
             }
         }
+    }
+
+    /// Copies lane message `m` (header `h`) from `p` into the first `m.len` bytes of `dst`
+    /// and releases its slot, answering "accepted" in the same step when its sender waits for
+    /// an answer.
+    fn lane_accept(&mut self, p: usize, h: &Header, m: LaneMsg, dst: &mut [u8]) {
+        self.lane_copy(p, m, &mut dst[..m.len]);
+        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
     }
 
     /// Completes our lane sends to `p` whose answer word says accepted.
@@ -237,9 +243,8 @@ impl State {
             let cap = out.len() as u64;
             return LaneRecv::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
                 Ok(()) => {
-                    self.lane_copy(p, m, &mut out[..m.len]);
-                    // Accepted: the answer word goes with the slot's release.
-                    self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+                    // `refusal::check` made sure `out` holds at least `m.len` bytes.
+                    self.lane_accept(p, &h, m, out);
                     Ok(Status {
                         peer: p,
                         tag,

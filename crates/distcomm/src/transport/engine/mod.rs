@@ -236,6 +236,17 @@ impl Posted {
     }
 }
 
+/// What a message that arrived or was announced finds among the posted receives
+/// ([`State::take_matching`]).
+enum Matched {
+    /// No receive is posted for it.
+    Unposted,
+    /// This receive takes it (checked).
+    Recv(Posted),
+    /// This receive refuses it, for this reason (not answered yet: [`State::refuse`]).
+    Refused(Posted, (Error, NackReason)),
+}
+
 /// Why and by what a receiver refuses a message: what its Nack tells the sender.
 struct Refusal {
     reason: NackReason,

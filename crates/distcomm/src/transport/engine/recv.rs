@@ -89,20 +89,33 @@ impl State {
         h: &Header,
         data: Vec<u8>,
     ) -> Option<(Posted, Vec<u8>)> {
-        let Some(mut r) = self.matcher.take_posted(src, (h.ctx, h.tag)) else {
-            self.matcher.push_unexpected(Unexpected {
-                src,
-                hdr: *h,
-                data: Some(data),
-            });
-            return None;
-        };
-        match self.check(&mut r, src, h) {
-            Ok(()) => Some((r, data)),
-            Err(refused) => {
-                self.refuse(src, h, r, refused);
+        match self.take_matching(src, h) {
+            Matched::Recv(r) => Some((r, data)),
+            Matched::Unposted => {
+                self.matcher.push_unexpected(Unexpected {
+                    src,
+                    hdr: *h,
+                    data: Some(data),
+                });
                 None
             }
+            Matched::Refused(r, why) => {
+                self.refuse(src, h, r, why);
+                None
+            }
+        }
+    }
+
+    /// Takes the posted receive that matches message `h` from `src` (one that arrived or was
+    /// announced) and checks the message against it; a refusal is not answered yet (see
+    /// [`refuse`](Self::refuse)).
+    pub(super) fn take_matching(&mut self, src: usize, h: &Header) -> Matched {
+        let Some(mut r) = self.matcher.take_posted(src, (h.ctx, h.tag)) else {
+            return Matched::Unposted;
+        };
+        match self.check(&mut r, src, h) {
+            Ok(()) => Matched::Recv(r),
+            Err(why) => Matched::Refused(r, why),
         }
     }
 
@@ -199,15 +212,13 @@ impl State {
         }
         match h.kind {
             Kind::Eager => {
-                let target = match self.matcher.take_posted(p, (h.ctx, h.tag)) {
-                    None => Target::Temp(self.spare_temps.take_len(h.len as usize)),
-                    Some(mut r) => match self.check(&mut r, p, &h) {
-                        Ok(()) => Target::Recv(r),
-                        Err(refused) => {
-                            self.refuse(p, &h, r, refused);
-                            Target::Discard
-                        }
-                    },
+                let target = match self.take_matching(p, &h) {
+                    Matched::Unposted => Target::Temp(self.spare_temps.take_len(h.len as usize)),
+                    Matched::Recv(r) => Target::Recv(r),
+                    Matched::Refused(r, why) => {
+                        self.refuse(p, &h, r, why);
+                        Target::Discard
+                    }
                 };
                 Ok(Rx::Payload {
                     hdr: h,
@@ -217,20 +228,18 @@ impl State {
                 })
             }
             Kind::Rts => {
-                match self.matcher.take_posted(p, (h.ctx, h.tag)) {
-                    None => self.matcher.push_unexpected(Unexpected {
+                match self.take_matching(p, &h) {
+                    Matched::Unposted => self.matcher.push_unexpected(Unexpected {
                         src: p,
                         hdr: h,
                         data: None,
                     }),
-                    Some(mut r) => match self.check(&mut r, p, &h) {
-                        Ok(()) => {
-                            self.answer(p, &h, None);
-                            r.cell.kick();
-                            self.rdv.expect(p, h.msg_id, r, h.len);
-                        }
-                        Err(refused) => self.refuse(p, &h, r, refused),
-                    },
+                    Matched::Recv(r) => {
+                        self.answer(p, &h, None);
+                        r.cell.kick();
+                        self.rdv.expect(p, h.msg_id, r, h.len);
+                    }
+                    Matched::Refused(r, why) => self.refuse(p, &h, r, why),
                 }
                 Ok(Rx::Header)
             }

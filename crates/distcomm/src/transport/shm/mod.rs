@@ -449,11 +449,10 @@ impl ShmLink {
         if let Some(refused) = answer {
             self.answer_word(m.seq, refused);
         }
-        let taken = m.seq;
-        self.rx_lane.set(taken);
+        self.rx_lane.set(m.seq);
         self.rx
             .atomic64(OFF_LANE_HEAD)
-            .store(taken, Ordering::Release);
+            .store(m.seq, Ordering::Release);
         // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
         fence(Ordering::SeqCst);
         let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));

@@ -191,10 +191,12 @@ fn sleeping_consumer_is_rung_for_a_lane_message() {
 #[test]
 fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
     let link = pair(4096);
+    // Chunked and inline messages alternate.
+    let len = |k: u64| if k % 2 == 0 { LANE_MAX } else { 8 };
     for round in 0..3u8 {
-        // Full with LANE_SLOTS messages, inline and chunked alike, then refused.
+        // Full with LANE_SLOTS messages, then refused.
         for k in 0..LANE_SLOTS {
-            let len = if k % 2 == 0 { LANE_MAX } else { 8 };
+            let len = len(k);
             assert!(
                 link.lane_send(&head(round), &payload(round, len))
                     .unwrap()
@@ -217,7 +219,7 @@ fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
             "full again"
         );
         for k in 1..=LANE_SLOTS {
-            let len = if k % 2 == 0 { LANE_MAX } else { 8 };
+            let len = len(k);
             let (_, h, data) = take(&link).unwrap();
             assert_eq!(
                 (h, data),

@@ -59,7 +59,10 @@ fn arena_collectives_in_small_slots() {
 /// A root whose small broadcasts need nobody to wait for runs ahead of the others, by more
 /// calls than the arena has control lines: it must wait for the slowest before it writes a
 /// line again, and every rank still gets every call's value, in order (a rank that sleeps now
-/// and then falls far behind; broadcasts of slot size in between).
+/// and then falls far behind; broadcasts of slot size in between). Then the other way round:
+/// the senders of small gathers run ahead of a root that sleeps now and then. (World 2 runs
+/// ahead by at most half the lines, taking lines for writing before it needs them; world 3
+/// on this machine's 2 cores by all of them.)
 #[test]
 fn arena_root_running_ahead_reuses_no_line_too_early() {
     run_native_env(
@@ -79,6 +82,20 @@ fn arena_root_running_ahead_reuses_no_line_too_early() {
                     let mut big: Vec<i64> = vec![if r == 0 { i } else { 0 }; 1000];
                     g.broadcast(&mut big, 0).unwrap();
                     assert!(big.iter().all(|&x| x == i), "rank {r}: call {i} (slots)");
+                }
+            }
+            for i in 0..2000i64 {
+                if r == 0 && i % 500 == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let mine = [i, r as i64];
+                if r == 0 {
+                    let mut all = vec![0i64; 2 * n];
+                    g.gather(&mine, Some(&mut all), 0).unwrap();
+                    let want: Vec<i64> = (0..n as i64).flat_map(|q| [i, q]).collect();
+                    assert_eq!(all, want, "gather {i}");
+                } else {
+                    g.gather(&mine, None, 0).unwrap();
                 }
             }
         },

@@ -75,9 +75,9 @@ const OFF_DONE: usize = 256;
 /// [`INLINE`] bytes of data at +32, so a tiny call moves one line per peer), then a line with
 /// the collective the rank announced.
 const CTRL: usize = 4096;
-/// Control lines per rank: how many steps a rank may run ahead of the slowest when its steps
-/// move at most [`INLINE`] bytes and it waits for nobody (the root of a small broadcast, the
-/// other ranks of a small reduce or gather). World 4 on 2 cores: a rank that must wait for
+/// Control lines per rank: twice how many steps ([`LEAD`]) a rank may run ahead of the
+/// slowest when its steps move at most [`INLINE`] bytes and it waits for nobody (the root of a
+/// small broadcast, the other ranks of a small reduce or gather). World 4 on 2 cores: a rank that must wait for
 /// every other at every call pays a context switch per call; with room to run ahead it makes
 /// many calls per time slice, and so do the ranks that read it. 128 lines against 16
 /// (`scripts/ab.py`, 3 alternating pairs, 8-32 B): broadcast, scatter, gather and reduce 0.58-0.75x
@@ -89,6 +89,44 @@ const LINE_CHAIN: usize = 24;
 const LINE_DATA: usize = 32;
 /// Chunks this small travel inside the control line.
 const INLINE: usize = 32;
+/// A rank that finished step `s` takes its control line of step `s + AHEAD` for writing
+/// ([`Arena::claim_ahead`]).
+///
+/// Every control line a rank writes was read by the others `LINES` steps before (or is being
+/// watched by a rank waiting for it), so the store needs the line back from their caches.
+/// The store itself does not wait, but the stores after it queue behind it, and a call's
+/// worth of them (stack moves included) fills the store buffer: on cores with caches of their
+/// own, the writer of a small broadcast or scatter stood on every call (`perf`: a quarter of
+/// the root's time on one instruction of `exchange`) for a full cache-line trip (~190 ns
+/// here, `limits shm-lat` 380 ns a round trip). Taken a few steps ahead, the line comes in
+/// the background while the rank makes its next calls. A rank runs at most [`LEAD`] steps
+/// ahead of the others, so the line it takes was last read `LINES - AHEAD` steps before,
+/// by ranks now done with it.
+///
+/// Measured on world 2, 8 B (`distcomm bench OP --sizes 8,8,8,8,8`, median of the five;
+/// rounds of alternating runs against the build before, kept only when `limits shm-lat` read
+/// the same cache mode before and after; median of per-round ratios). Cores with caches of
+/// their own (round trip 330-400 ns): broadcast 0.133 against 0.220 µs (0.61x, 8 rounds),
+/// scatter 0.127 against 0.216 (0.61x), gather 0.147 against 0.229 (0.63x), reduce 0.169
+/// against 0.235 (0.70x, 3 rounds each); Open MPI 0.152, 0.148, 0.151, 0.177 in the same
+/// rounds. all_reduce and barrier (every rank waits for every other at every step, so
+/// nobody runs ahead) 1.05x and 1.02x (1 round). With shared caches (the two vCPUs of one
+/// core; the lines never leave it) 0.95-1.05x for all six (4 rounds). An earlier variant: the
+/// claim without [`LEAD`] and [`SLACK`] 0.80x, 0.98x, 0.72x (scatter, gather, broadcast), those
+/// two without the claim 0.93x, 1.02x, 0.98x; readers also prefetching the next line of the
+/// ranks they read: better for gather, worse for scatter, not kept.
+const AHEAD: u64 = 3;
+/// How far (steps) a rank may run ahead of another in steps that write only control lines
+/// (the root of a run of small broadcasts, the senders of small gathers). Half the lines:
+/// see [`AHEAD`]. Ranks that outnumber the cores keep `LINES - 1` (and neither take lines
+/// ahead nor wait with [`SLACK`]): there the scheduler, not the caches, sets the pace, and
+/// the room to run ahead is what counts (see [`LINES`]); with all three, world 3 on 2 cores
+/// took 1.09-1.19x the time at 8-12 B (4 alternating pairs).
+const LEAD: u64 = LINES / 2;
+/// A rank that ran [`LEAD`] steps ahead waits until the one behind has come this many steps
+/// nearer, not one: every step of waiting watches the other's line of that step, and the
+/// other's store to a watched line waits for it (see [`AHEAD`]).
+const SLACK: u64 = LINES / 4;
 /// Spins before yielding, when ranks do not outnumber cores.
 const SPINS: u32 = 4000;
 /// After this long waiting, nap between checks instead of yielding.
@@ -377,12 +415,19 @@ impl Arena {
 
     /// Waits, before this rank starts `step`, until it may write what the step writes: its
     /// control line of the step (used again `LINES` steps later: every rank must have arrived
-    /// at the step after the one that last used it, and so be done reading it) and, when
-    /// `slots` (its data slot or the shared result of the step's parity), those too (every
-    /// rank arrived at `step - 1`, so all are done with `step - 2`, the last one that used
-    /// them). A step that waited for every rank leaves both true for the next.
+    /// at the step after the one that last used it, and so be done reading it; we ask more,
+    /// arrival at `step - LEAD`, see [`AHEAD`]) and, when `slots` (its data slot or the shared
+    /// result of the step's parity), those too (every rank arrived at `step - 1`, so all are
+    /// done with `step - 2`, the last one that used them). A step that waited for every rank
+    /// leaves both true for the next.
     fn begin(&self, step: u64, slots: bool, w: &Wait<'_>) -> Result<()> {
-        let back = if slots { 1 } else { LINES - 1 };
+        // Ranks that outnumber the cores keep all the room to run ahead (see `LINES`); they
+        // take no line ahead either (`claim_ahead`).
+        let back = match (slots, self.oversubscribed) {
+            (true, _) => 1,
+            (false, false) => LEAD,
+            (false, true) => LINES - 1,
+        };
         let Some(before) = step.checked_sub(back) else {
             return Ok(());
         };
@@ -405,8 +450,14 @@ impl Arena {
                     continue;
                 }
             }
-            self.wait_for(Reads::Rank(r), before, 2 * before + 1, w)?;
-            seen.store(before + 1, Ordering::Relaxed);
+            // Far ahead on lines: wait until `r` is `SLACK` steps further (it needs nothing
+            // of ours beyond `step - 1`, all published).
+            let until = match slots || self.oversubscribed {
+                true => before,
+                false => (before + SLACK).min(step - 1),
+            };
+            self.wait_for(Reads::Rank(r), until, 2 * until + 1, w)?;
+            seen.store(until + 1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -459,12 +510,23 @@ impl Arena {
                 let ran = buf.len().div_ceil(per_chunk) as u64;
                 self.chain.store(*chained, Ordering::Relaxed);
                 self.step.store(first_step + ran, Ordering::Release);
+                self.claim_ahead(first_step + ran);
             }
             // The ranks' chunk counters may no longer agree (a rank ran another collective, or
             // stopped mid-call): nobody uses the arena again.
             Err(e) => self.break_for(e),
         }
         result.map(|_| ())
+    }
+
+    /// Before this rank goes on to step `next`: takes its control line of step
+    /// `next + AHEAD - 1` for writing, in the background (see [`AHEAD`]).
+    fn claim_ahead(&self, next: u64) {
+        if self.oversubscribed {
+            return;
+        }
+        self.region
+            .prefetch_write(self.line(self.me, next + AHEAD - 1));
     }
 
     /// Breaks the arena for good after this rank's call failed with `e`, leaving in the flag
@@ -772,6 +834,7 @@ impl Arena {
             Ok(()) => {
                 self.chain.store(chained, Ordering::Relaxed);
                 self.step.store(step + 1, Ordering::Release);
+                self.claim_ahead(step + 1);
             }
             Err(e) => self.break_for(e),
         }

@@ -29,9 +29,12 @@ TORCH_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 def ds_run(venv, world, dtype, sizes):
     env = dict(os.environ, PATH=os.path.join(venv, "bin") + ":" + os.environ["PATH"],
                DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world))
-    out = subprocess.run([os.path.join(venv, "bin", "torchrun"), "--nproc-per-node", str(world),
-                          DS_BENCH, "--dtype", TORCH_DTYPE[dtype], "--sizes", sizes],
-                         capture_output=True, text=True, env=env, timeout=1800, check=True).stdout
+    p = subprocess.run([os.path.join(venv, "bin", "torchrun"), "--nproc-per-node", str(world),
+                        DS_BENCH, "--dtype", TORCH_DTYPE[dtype], "--sizes", sizes],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        sys.exit(f"DeepSpeed's benchmark failed ({dtype}):\n{p.stderr[-3000:]}")
+    out = p.stdout
     return {int(line.split("bytes=")[1].split()[0]): float(line.split("time_us=")[1])
             for line in out.splitlines() if line.startswith("ds_shm")}
 

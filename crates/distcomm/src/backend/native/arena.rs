@@ -77,12 +77,12 @@ const OFF_DONE: usize = 256;
 const CTRL: usize = 4096;
 /// Control lines per rank: twice how many steps ([`LEAD`]) a rank may run ahead of the
 /// slowest when its steps move at most [`INLINE`] bytes and it waits for nobody (the root of a
-/// small broadcast, the other ranks of a small reduce or gather). World 4 on 2 cores: a rank that must wait for
-/// every other at every call pays a context switch per call; with room to run ahead it makes
-/// many calls per time slice, and so do the ranks that read it. 128 lines against 16
-/// (`scripts/ab.py`, 3 alternating pairs, 8-32 B): broadcast, scatter, gather and reduce 0.58-0.75x
-/// the time at world 3, 0.44-0.62x at world 4, 0.40-0.64x at world 8 (on 2 cores); at world 2
-/// 0.73-1.03x; 1 KiB (slots, not lines) unchanged.
+/// small broadcast, the other ranks of a small reduce or gather). World 4 on 2 cores: a rank
+/// that must wait for every other at every call pays a context switch per call; with room to
+/// run ahead it makes many calls per time slice, and so do the ranks that read it. 128 lines
+/// against 16 (`scripts/ab.py`, 3 alternating pairs, 8-32 B): broadcast, scatter, gather and
+/// reduce 0.58-0.75x the time at world 3, 0.44-0.62x at world 4, 0.40-0.64x at world 8 (on 2
+/// cores); at world 2 0.73-1.03x; 1 KiB (slots, not lines) unchanged.
 const LINES: u64 = 128;
 const CTRL_STRIDE: usize = 64 * (LINES as usize + 1);
 const LINE_CHAIN: usize = 24;

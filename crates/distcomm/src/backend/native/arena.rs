@@ -167,6 +167,10 @@ pub(crate) struct Arena {
     /// Group rank → global rank (peer-failure checks, errors).
     members: Arc<Vec<usize>>,
     oversubscribed: bool,
+    /// How far ahead (steps) this rank may run in line-only steps, and how much nearer a rank
+    /// behind must come once it had to wait ([`LEAD`], [`SLACK`]; `LINES - 1` and 0 when
+    /// ranks outnumber cores).
+    lead: (u64, u64),
     /// Largest all_reduce (bytes) that goes through the arena.
     max_bytes: usize,
     /// Chunks this rank has run through the arena (its sequence words are 2·step, 2·step + 1).
@@ -262,6 +266,10 @@ impl Arena {
             chunk,
             members,
             oversubscribed: cfg.oversubscribed,
+            lead: match cfg.oversubscribed {
+                false => (LEAD, SLACK),
+                true => (LINES - 1, 0),
+            },
             step: AtomicU64::new(0),
             chain: AtomicU64::new(0),
             seen,
@@ -421,13 +429,8 @@ impl Arena {
     /// done with `step - 2`, the last one that used them). A step that waited for every rank
     /// leaves both true for the next.
     fn begin(&self, step: u64, slots: bool, w: &Wait<'_>) -> Result<()> {
-        // Ranks that outnumber the cores keep all the room to run ahead (see `LINES`); they
-        // take no line ahead either (`claim_ahead`).
-        let back = match (slots, self.oversubscribed) {
-            (true, _) => 1,
-            (false, false) => LEAD,
-            (false, true) => LINES - 1,
-        };
+        let (lead, slack) = self.lead;
+        let back = if slots { 1 } else { lead };
         let Some(before) = step.checked_sub(back) else {
             return Ok(());
         };
@@ -450,11 +453,12 @@ impl Arena {
                     continue;
                 }
             }
-            // Far ahead on lines: wait until `r` is `SLACK` steps further (it needs nothing
+            // Far ahead on lines: wait until `r` is `slack` steps further (it needs nothing
             // of ours beyond `step - 1`, all published).
-            let until = match slots || self.oversubscribed {
-                true => before,
-                false => (before + SLACK).min(step - 1),
+            let until = if slots {
+                before
+            } else {
+                (before + slack).min(step - 1)
             };
             self.wait_for(Reads::Rank(r), until, 2 * until + 1, w)?;
             seen.store(until + 1, Ordering::Relaxed);

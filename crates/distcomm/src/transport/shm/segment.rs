@@ -185,23 +185,23 @@ impl Region {
     pub fn prefetch_write(&self, off: usize) {
         #[cfg(target_arch = "x86_64")]
         if has_prefetchw() {
-            let p = self.line_ptr(off);
+            let p = self
+                .map
+                .as_ptr()
+                .wrapping_add(off.min(self.len.saturating_sub(1)));
             // SAFETY: the CPU has PREFETCHW (checked above); a prefetch neither faults nor
             // reads or writes memory as far as the program can tell, and touches no register
             // but the one holding its address.
             unsafe {
-                std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly))
+                std::arch::asm!(
+                    "prefetchw [{0}]",
+                    in(reg) p,
+                    options(nostack, preserves_flags, readonly)
+                )
             };
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = off;
-    }
-
-    /// The address of byte `off` (clamped into the region), for prefetch hints only.
-    #[cfg(target_arch = "x86_64")]
-    fn line_ptr(&self, off: usize) -> *const i8 {
-        let off = off.min(self.len.saturating_sub(1));
-        self.map.as_ptr().wrapping_add(off).cast()
     }
 
     /// Bytes `off..off + n` as a slice of `T` (clamped into the region).

@@ -11,7 +11,8 @@ MPI_Irecv/MPI_Wait; otherwise blocking calls up to 1 KiB against MPI_Send/MPI_Re
 N. Every size in --sizes (default 8,64M) gets both columns.
 
 Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev`) and ../shared/bench/mpi_bench.c.
-Runs are interleaved (MPI, distcomm, MPI, ...) and the median over repetitions is reported.
+Runs alternate in pairs (which of the two goes first alternates too); the table shows the
+median time of each and the median of per-pair ratios.
 distcomm's pingpong reports the median iteration, its all_reduce the mean over the timed loop
 (slowest rank); mpi_bench reports means on rank 0.
 """
@@ -88,16 +89,24 @@ def main():
     mop = "pingpong" if a.suite == "p2p" else "allreduce"
     world = 2 if a.suite == "p2p" else a.world
     mpi, ours = [], []
-    for _ in range(a.reps):
-        mpi.append(mpi_run(mpi_exe, world, mop, a.transport))
+    for k in range(a.reps):
+        # Alternating which goes first, so that neither always runs on a host just warmed up.
+        if k % 2 == 0:
+            mpi.append(mpi_run(mpi_exe, world, mop, a.transport))
         ours.append(ours_run(distcomm, world, a.suite, a.transport, a.sizes, extra))
+        if k % 2 == 1:
+            mpi.append(mpi_run(mpi_exe, world, mop, a.transport))
     med = lambda runs, size, i: statistics.median(r[size][i] for r in runs)
+    # The host changes speed from minute to minute: compare each run with its neighbour.
+    pair_ratio = lambda size, i: statistics.median(
+        o[size][i] / m[size][i] for o, m in zip(ours, mpi) if m[size][i])
     gloo = gloo_run(a.gloo, world, mop) if a.gloo else None
     sizes = sorted(ours[0])
     what = "half round trip" if a.suite == "p2p" else "all_reduce time"
     bw = "ping-pong bandwidth" if a.suite == "p2p" else "all_reduce busbw"
     calls = ", nonblocking calls (handles)" if a.handles else ""
-    print(f"world {world}, {a.transport}{calls}, {a.reps} interleaved runs each (medians)")
+    print(f"world {world}, {a.transport}{calls}, {a.reps} alternating pairs (median times; ratio: "
+          f"median of per-pair ratios)")
     head = f"{'metric':<40}{'distcomm':>10}{'OMPI ' + a.transport:>10}{'ratio':>8}"
     if gloo:
         head += f"{'gloo':>10}{'ratio':>8}"
@@ -108,7 +117,7 @@ def main():
             if i == 1 and size < 1024:
                 continue
             o, m = med(ours, size, i), med(mpi, size, i)
-            line = f"{name:<40}{o:>10.3f}{m:>10.3f}{(o / m if m else 0):>7.2f}x"
+            line = f"{name:<40}{o:>10.3f}{m:>10.3f}{pair_ratio(size, i):>7.2f}x"
             if gloo and size in gloo:
                 g = gloo[size][i]
                 line += f"{g:>10.3f}{(o / g if g else 0):>7.2f}x"

@@ -33,7 +33,8 @@ def ds_run(venv, world, dtype, sizes):
                         DS_BENCH, "--dtype", TORCH_DTYPE[dtype], "--sizes", sizes],
                        capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
-        sys.exit(f"DeepSpeed's benchmark failed ({dtype}):\n{p.stderr[-3000:]}")
+        sys.exit(f"DeepSpeed's benchmark failed ({dtype}; the venv needs torch, deepspeed and "
+                 f"ninja):\n{p.stderr[-3000:]}")
     out = p.stdout
     return {int(line.split("bytes=")[1].split()[0]): float(line.split("time_us=")[1])
             for line in out.splitlines() if line.startswith("ds_shm")}

@@ -233,6 +233,17 @@ impl OpCell {
         self.lock().buf.take()
     }
 
+    /// The outcome and, when it succeeded, the buffer (once), under one lock: `None` while
+    /// pending; `Some(Ok(None))` when the buffer was taken already.
+    pub(crate) fn take_outcome(&self) -> Option<Result<Option<BoxBuf>>> {
+        let mut slot = self.lock();
+        match &slot.result {
+            None => None,
+            Some(Ok(_)) => Some(Ok(slot.buf.take())),
+            Some(Err(e)) => Some(Err(e.clone())),
+        }
+    }
+
     /// Wakes a sleeping waiter without completing: the operation has started moving (for
     /// example a large transfer was cleared to send), so spinning pays again.
     pub(crate) fn kick(&self) {

@@ -243,21 +243,11 @@ impl<B: 'static> Work<B> {
     /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<Status> {
         if !self.cell.is_done() && !self.drive(timeout) {
-            return Err(Error::Timeout {
-                op: self.op,
-                rank: self.driver.rank(),
-                peer: self.peer,
-                after: timeout,
-            });
+            return Err(self.timed_out(timeout));
         }
         match self.cell.result() {
             Some(r) => self.translate(r),
-            None => Err(Error::Timeout {
-                op: self.op,
-                rank: self.driver.rank(),
-                peer: self.peer,
-                after: timeout,
-            }),
+            None => Err(self.timed_out(timeout)),
         }
     }
 
@@ -278,13 +268,35 @@ impl<B: 'static> Work<B> {
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error
     /// and drops the buffer without publishing anything from it.
     pub fn into_buffer(self) -> Result<B> {
-        self.wait()?;
-        self.take_buffer()
+        // One look at the cell for the outcome and the buffer together (the small-message
+        // path pays for every lock).
+        let timeout = self.default_timeout;
+        if !self.cell.is_done() && !self.drive(timeout) {
+            return Err(self.timed_out(timeout));
+        }
+        match self.cell.take_outcome() {
+            Some(Ok(buf)) => self.unbox(buf),
+            Some(Err(e)) => Err(e),
+            None => Err(self.timed_out(timeout)),
+        }
+    }
+
+    fn timed_out(&self, after: Duration) -> Error {
+        Error::Timeout {
+            op: self.op,
+            rank: self.driver.rank(),
+            peer: self.peer,
+            after,
+        }
     }
 
     /// The buffer of a finished, successful operation (once).
     pub(crate) fn take_buffer(&self) -> Result<B> {
-        let buf = self.cell.take_buf();
+        self.unbox(self.cell.take_buf())
+    }
+
+    /// The buffer as the caller's type; `None`: taken already.
+    fn unbox(&self, buf: Option<BoxBuf>) -> Result<B> {
         let any = match buf {
             Some(b) => b.into_any(),
             None => {

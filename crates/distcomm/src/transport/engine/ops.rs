@@ -123,11 +123,33 @@ impl Engine {
         #[cfg(feature = "trace-messages")]
         trace_post("isend", self.sh.rank, Some(dst), &env, buf.bytes().len());
         let op = env.op;
-        let cell = Arc::new(OpCell::default());
         let mut st = self.sh.lock();
         let id = st.alloc_id();
         let len = buf.bytes().len();
         let hdr = env.eager(id, len);
+        // A small message to a live shared-memory peer goes through its lane when it may, and
+        // first: the handle's cell and the send's entry are made after the write, off the
+        // message's way (a dead peer, ourselves or a full lane decline it; the checks below
+        // then report what went wrong).
+        if choice::lane_fits(len)
+            && st.closed.is_none()
+            && !st.cancelled.contains((env.ctx, env.tag))
+        {
+            let waits = !refusal::scheduled(env.fp);
+            let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
+            if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
+                let cell = Arc::new(OpCell::default());
+                let mut pending = env.pending(dst, len, cell.clone());
+                if waits {
+                    pending.buf = Some(buf);
+                    st.sends.insert(id, pending);
+                } else {
+                    cell.complete(Ok(pending.status(dst)), Some(buf));
+                }
+                return (id, cell);
+            }
+        }
+        let cell = Arc::new(OpCell::default());
         let mut pending = env.pending(dst, len, cell.clone());
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
@@ -155,20 +177,6 @@ impl Engine {
         if let Some(reason) = st.dead_reason(dst) {
             cell.complete(Err(peer_lost(op, self.sh.rank, dst, &reason)), None);
             return (id, cell);
-        }
-        // A small message to a shared-memory peer goes through its lane when it may.
-        if choice::lane_fits(len) {
-            let waits = pending.waits_for_ack();
-            let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
-            if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
-                if waits {
-                    pending.buf = Some(buf);
-                    st.sends.insert(id, pending);
-                } else {
-                    cell.complete(Ok(pending.status(dst)), Some(buf));
-                }
-                return (id, cell);
-            }
         }
         // A large message to a shared-memory peer is fetched by the receiver straight from our
         // buffer (never from a view of the caller's memory: the engine cannot stop a copy

@@ -429,6 +429,32 @@ mod loom_model {
     }
 
     #[test]
+    fn the_buffer_is_taken_once_with_its_outcome() {
+        loom::model(|| {
+            let cell = Arc::new(OpCell::default());
+            let c = cell.clone();
+            let completer = thread::spawn(move || {
+                let buf: super::BoxBuf = Box::new(vec![5u8; 4]);
+                c.complete(ok(4), Some(buf));
+            });
+            let c = cell.clone();
+            let taker = thread::spawn(move || c.take_outcome());
+            let mine = cell.take_outcome();
+            completer.join().unwrap();
+            let theirs = taker.join().unwrap();
+            let last = cell.take_outcome();
+            // Pending (None) or succeeded; the buffer comes out exactly once in all.
+            let got = [mine, theirs, last]
+                .into_iter()
+                .flatten()
+                .map(|r| r.expect("succeeded"))
+                .filter(|b| b.as_ref().is_some_and(|b| b.bytes() == [5u8; 4]))
+                .count();
+            assert_eq!(got, 1);
+        });
+    }
+
+    #[test]
     fn a_registered_waker_is_woken_by_the_outcome() {
         loom::model(|| {
             let cell = Arc::new(OpCell::default());

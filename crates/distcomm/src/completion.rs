@@ -26,7 +26,8 @@ use std::sync::{
     Condvar, Mutex, MutexGuard,
 };
 
-use crate::error::Result;
+use crate::call::Envelope;
+use crate::error::{Error, Result};
 
 /// What a finished operation reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +163,10 @@ pub(crate) struct OpCell {
     active: AtomicBool,
     slot: Mutex<Slot>,
     cv: Condvar,
+    /// A send its handle watches itself ([`Ticket`]): its outcome is the answer word until
+    /// `adopted`, then this cell, which the driver completes from then on.
+    ticket: Option<Ticket>,
+    adopted: AtomicBool,
 }
 
 impl Default for OpCell {
@@ -171,6 +176,8 @@ impl Default for OpCell {
             active: AtomicBool::new(false),
             slot: Mutex::new(Slot::default()),
             cv: Condvar::new(),
+            ticket: None,
+            adopted: AtomicBool::new(false),
         }
     }
 }
@@ -231,6 +238,31 @@ impl OpCell {
     /// The buffer of a finished operation, once.
     pub(crate) fn take_buf(&self) -> Option<BoxBuf> {
         self.lock().buf.take()
+    }
+
+    /// The cell of watched send `ticket`, holding its buffer: it comes back from here once
+    /// accepted, or goes to the driver that adopts the send ([`Driver::adopt`]).
+    pub(crate) fn watched(ticket: Ticket, buf: BoxBuf) -> OpCell {
+        let cell = OpCell {
+            ticket: Some(ticket),
+            ..OpCell::default()
+        };
+        cell.lock().buf = Some(buf);
+        cell
+    }
+
+    /// The ticket of a watched send the driver has not adopted.
+    pub(crate) fn ticket(&self) -> Option<&Ticket> {
+        self.ticket
+            .as_ref()
+            .filter(|_| !self.adopted.load(Ordering::Acquire))
+    }
+
+    /// The ticket of a watched send, once (to whoever hands it to the driver first).
+    pub(crate) fn take_ticket(&self) -> Option<&Ticket> {
+        self.ticket
+            .as_ref()
+            .filter(|_| !self.adopted.swap(true, Ordering::AcqRel))
     }
 
     /// The outcome and, when it succeeded, the buffer (once), under one lock: `None` while
@@ -307,6 +339,32 @@ impl Deadline {
     }
 }
 
+/// A small send whose handle watches the answer itself: it went straight into a
+/// shared-memory lane, and its answer is one word the handle can read without the driver's
+/// lock, the way a blocking send watches it. What the driver needs to read that word, or to
+/// take the send over ([`Driver::adopt`]) when the answer is slow or a refusal.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ticket {
+    /// The destination, in the driver's numbering of ranks.
+    pub peer: usize,
+    /// The message's sequence number on that lane.
+    pub seq: u64,
+    pub env: Envelope,
+    /// Bytes sent.
+    pub len: usize,
+}
+
+impl Ticket {
+    /// The status of the send once accepted.
+    pub(crate) fn status(&self) -> Status {
+        Status {
+            peer: self.peer,
+            tag: self.env.tag,
+            bytes: self.len,
+        }
+    }
+}
+
 /// What a handle needs from whoever drives progress.
 pub(crate) trait Driver: Send + Sync {
     /// Waits until `cell` is done or `deadline` passes, driving progress meanwhile.
@@ -315,6 +373,35 @@ pub(crate) trait Driver: Send + Sync {
     fn cancel(&self, op_id: u64);
     /// Rank of this process, for error messages.
     fn rank(&self) -> usize;
+    /// The waiter of pending receive `op_id` from `src` (the driver's numbering), about to take
+    /// its buffer, takes its message itself if it is there or comes within `limit` (at most a
+    /// short while) and taking it cannot reorder anything: the outcome and the buffer, the
+    /// operation gone from the driver and its cell left as it was. `None`: nothing happened.
+    fn claim(&self, _op_id: u64, _src: usize, _limit: Duration) -> Option<(Status, BoxBuf)> {
+        None
+    }
+    /// The answer to watched send `t`, read without waiting: `Some(true)` accepted (for good),
+    /// `Some(false)` refused, `None` not yet.
+    fn answer(&self, _t: &Ticket) -> Option<bool> {
+        None
+    }
+    /// Spins up to `limit` (and at most a short while) for the answer to watched send `t`;
+    /// returns whether one came.
+    fn await_answer(&self, _t: &Ticket, _limit: Duration) -> bool {
+        false
+    }
+    /// Takes over watched send `t`, whose buffer `cell` holds: from now on the driver completes
+    /// `cell` (the buffer back in it on success), as for any operation it posted.
+    fn adopt(&self, t: &Ticket, cell: &std::sync::Arc<OpCell>) {
+        cell.complete(
+            Err(Error::Aborted {
+                op: t.env.op,
+                rank: self.rank(),
+                reason: "internal: this backend watches no sends".into(),
+            }),
+            None,
+        );
+    }
 }
 
 pub(crate) fn block(cell: &OpCell, deadline: Instant) -> bool {

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 pub use crate::completion::Status;
+use crate::completion::Ticket;
 pub(crate) use crate::completion::{BoxBuf, Deadline, Driver, OpCell, WireBuf};
 use crate::error::{Error, Result};
 
@@ -192,6 +193,22 @@ impl<B: 'static> Work<B> {
         }
     }
 
+    /// Whether watched send `t` was accepted, spinning up to `limit` for the answer; false
+    /// when it was refused or the answer is slow (then the caller hands it over).
+    fn accepted(&self, t: &Ticket, limit: Duration) -> bool {
+        self.driver.answer(t) == Some(true)
+            || (!limit.is_zero()
+                && self.driver.await_answer(t, limit)
+                && self.driver.answer(t) == Some(true))
+    }
+
+    /// Hands a watched send over to the driver (once, whoever asks first).
+    fn hand_over(&self) {
+        if let Some(t) = self.cell.take_ticket() {
+            self.driver.adopt(t, &self.cell);
+        }
+    }
+
     /// The deadline `wait` uses.
     pub(crate) fn default_timeout(&self) -> Duration {
         self.default_timeout
@@ -227,6 +244,14 @@ impl<B: 'static> Work<B> {
 
     /// True once the operation is terminal (succeeded or failed). Never blocks.
     pub fn is_completed(&self) -> bool {
+        if let Some(t) = self.cell.ticket() {
+            match self.driver.answer(t) {
+                Some(true) => return true,
+                // A refusal: the driver reads why.
+                Some(false) => self.hand_over(),
+                None => return false,
+            }
+        }
         self.cell.is_done()
     }
 
@@ -242,6 +267,12 @@ impl<B: 'static> Work<B> {
 
     /// Waits up to `timeout`. On timeout the operation stays pending and can be waited again.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<Status> {
+        if let Some(t) = self.cell.ticket() {
+            if self.accepted(t, timeout) {
+                return self.translate(Ok(t.status()));
+            }
+            self.hand_over();
+        }
         if !self.cell.is_done() && !self.drive(timeout) {
             return Err(self.timed_out(timeout));
         }
@@ -267,10 +298,30 @@ impl<B: 'static> Work<B> {
 
     /// Waits (group default timeout) and returns the buffer. A failed operation returns its error
     /// and drops the buffer without publishing anything from it.
-    pub fn into_buffer(self) -> Result<B> {
+    pub fn into_buffer(mut self) -> Result<B> {
+        let timeout = self.default_timeout;
+        // A pending receive first tries to take its message itself (a small one over shared
+        // memory, from the lane): then the handle, consumed here, never needs its cell.
+        if let Some(src) = self
+            .peer
+            .filter(|_| self.withdraw_on_drop && !self.cell.is_done())
+        {
+            let src = self.map.as_ref().map_or(Some(src), |m| m.get(src).copied());
+            let claimed = src.and_then(|src| self.driver.claim(self.op_id, src, timeout));
+            if let Some((_, buf)) = claimed {
+                // Gone from the driver: nothing to withdraw when the handle drops.
+                self.withdraw_on_drop = false;
+                return self.unbox(Some(buf));
+            }
+        }
+        if let Some(t) = self.cell.ticket() {
+            if self.accepted(t, timeout) {
+                return self.unbox(self.cell.take_buf());
+            }
+            self.hand_over();
+        }
         // One look at the cell for the outcome and the buffer together (the small-message
         // path pays for every lock).
-        let timeout = self.default_timeout;
         if !self.cell.is_done() && !self.drive(timeout) {
             return Err(self.timed_out(timeout));
         }
@@ -320,6 +371,13 @@ impl<B: 'static> Work<B> {
 
 impl<B> Drop for Work<B> {
     fn drop(&mut self) {
+        if let Some(t) = self.cell.take_ticket() {
+            // A watched send not yet accepted goes on in the driver's hands.
+            if self.driver.answer(t) != Some(true) {
+                self.driver.adopt(t, &self.cell);
+            }
+            return;
+        }
         if self.withdraw_on_drop && !self.cell.is_done() {
             self.driver.cancel(self.op_id);
         }
@@ -330,6 +388,13 @@ impl<B: 'static> Future for Work<B> {
     type Output = Result<Status>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Some(t) = self.cell.ticket() {
+            if self.driver.answer(t) == Some(true) {
+                return Poll::Ready(self.translate(Ok(t.status())));
+            }
+            // The driver completes the cell, and wakes the task, from now on.
+            self.hand_over();
+        }
         match self.cell.poll_result(cx.waker()) {
             Some(r) => Poll::Ready(self.translate(r)),
             None => Poll::Pending,
@@ -342,7 +407,14 @@ impl<B> std::fmt::Debug for Work<B> {
         f.debug_struct("Work")
             .field("op", &self.op)
             .field("peer", &self.peer)
-            .field("completed", &self.cell.is_done())
+            .field(
+                "completed",
+                &(self.cell.is_done()
+                    || self
+                        .cell
+                        .ticket()
+                        .is_some_and(|t| self.driver.answer(t) == Some(true))),
+            )
             .finish()
     }
 }

@@ -65,10 +65,6 @@ impl State {
         }
         match owner {
             Owner::Nobody => {}
-            Owner::Op(id) => {
-                peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
-                peer.lane_ops += 1;
-            }
             Owner::Caller => peer.lane_waits[at] = Some(LaneWait::Caller { seq, nack: None }),
         }
         Some(seq)
@@ -266,57 +262,135 @@ impl State {
         }
     }
 
-    /// The caller of a blocking lane send (`seq` to `p`) stops watching its answer word: the
-    /// outcome if it is known, otherwise a send the engine completes when the answer comes.
+    /// The waiter of posted receive `id` takes its message straight from its source's lane,
+    /// as a blocking receive would ([`State::recv_from_lane`]), when the receive is the one
+    /// that message goes to anyway: named source, shared-memory link idle, no receive posted
+    /// before it that could take it, none of its messages queued. Messages of other keys that
+    /// come first are delivered as usual. On success the receive leaves the queue with the
+    /// message in its buffer and its cell untouched (the handle, consumed, never reads it).
+    pub(super) fn claim(&mut self, id: u64) -> Claim {
+        let Some((Some(src), key)) = self
+            .matcher
+            .find_posted(|r| r.id == id)
+            .filter(|&(_, first)| first)
+            .and_then(|(i, _)| self.matcher.posted_at(i))
+            .map(|r| (r.src, (r.ctx, r.tag)))
+        else {
+            return Claim::Declined;
+        };
+        let idle = matches!(self.peers.get(src), Some(Some(peer)) if peer.dead.is_none()
+            && peer.link.shm.is_some()
+            && matches!(peer.rx, Rx::Header)
+            && peer.rx_start == peer.rx_end);
+        if !idle
+            || self.closed.is_some()
+            || self.cancelled.contains(key)
+            || self.matcher.unexpected_from(src, key)
+        {
+            return Claim::Declined;
+        }
+        loop {
+            let (h, m) = match self.lane_peek(src) {
+                Ok(Some(msg)) => msg,
+                Ok(None) => return Claim::Empty,
+                Err(reason) => {
+                    self.mark_dead(src, reason);
+                    return Claim::Declined;
+                }
+            };
+            if (h.ctx, h.tag) != key {
+                self.lane_deliver(src, h, m);
+                continue;
+            }
+            // Still posted: nothing else takes receives out while we hold the lock, and the
+            // messages delivered above had other keys.
+            let Some(mut r) = self
+                .matcher
+                .find_posted(|r| r.id == id)
+                .and_then(|(i, _)| self.matcher.remove_posted(i))
+            else {
+                return Claim::Declined;
+            };
+            return match self.check(&mut r, src, &h) {
+                Ok(()) => {
+                    // `check` made sure the buffer holds at least `h.len == m.len` bytes.
+                    self.lane_accept(src, &h, m, r.buf.bytes_mut());
+                    let status = Status {
+                        peer: src,
+                        tag: h.tag,
+                        bytes: m.len,
+                    };
+                    // Take what came behind it too, and write the replies those left queued,
+                    // as a sweep would: the sender writes to its ring only once the lane is
+                    // empty, and waits for the replies.
+                    if let Err(reason) = self.pump_lane(src).and_then(|_| self.pump_tx(src)) {
+                        self.mark_dead(src, reason);
+                    }
+                    Claim::Got(status, r.buf)
+                }
+                Err(why) => {
+                    self.lane_release(src, m, false);
+                    self.refuse(src, &h, r, why);
+                    Claim::Declined
+                }
+            };
+        }
+    }
+
+    /// The watcher of lane send `t` (a blocking caller or a handle) stops watching its answer
+    /// word: `cell` gets the outcome now if it is known (with `buf` on success), otherwise the
+    /// send becomes one the engine completes when the answer comes; then its id.
     pub(super) fn adopt_lane_send(
         &mut self,
-        p: usize,
-        seq: u64,
-        env: &Envelope,
-        len: usize,
-    ) -> Fast {
+        t: &Ticket,
+        cell: &Arc<OpCell>,
+        buf: Option<BoxBuf>,
+    ) -> Option<u64> {
+        let (p, seq, env) = (t.peer, t.seq, &t.env);
         let rank = self.rank;
-        let status = Status {
-            peer: p,
-            tag: env.tag,
-            bytes: len,
-        };
         let at = (seq % LANE_ACKS) as usize;
         let Some(Some(peer)) = self.peers.get_mut(p) else {
-            return Fast::Done(Ok(status));
+            cell.complete(Ok(t.status()), buf);
+            return None;
         };
         let nack = match peer.lane_waits.get(at) {
             Some(Some(LaneWait::Caller { seq: s, nack })) if *s == seq => *nack,
             // Its word was reused: that needs the answer "accepted".
-            _ => return Fast::Done(Ok(status)),
+            _ => {
+                cell.complete(Ok(t.status()), buf);
+                return None;
+            }
         };
         let accepted = peer.link.shm.as_ref().and_then(|l| l.answered(seq)) == Some(true);
         if accepted || nack.is_some() {
             peer.lane_waits[at] = None;
         }
         if accepted {
-            return Fast::Done(Ok(status));
+            cell.complete(Ok(t.status()), buf);
+            return None;
         }
         let id = self.alloc_id();
-        let cell = Arc::new(OpCell::default());
-        let pending = env.pending(p, len, cell.clone());
+        let mut pending = env.pending(p, t.len, cell.clone());
+        pending.buf = buf;
         if let Some(h) = nack {
             self.sends.insert(id, pending);
             let _ = self.on_header(p, Header { msg_id: id, ..h });
-            return Fast::Handed(id, cell);
+            return Some(id);
         }
         if let Some(reason) = self.dead_reason(p) {
-            return Fast::Done(Err(peer_lost(env.op, rank, p, &reason)));
+            cell.complete(Err(peer_lost(env.op, rank, p, &reason)), None);
+            return None;
         }
         if let Some(reason) = self.closed.clone() {
             let op = env.op;
-            return Fast::Done(Err(Error::Aborted { op, rank, reason }));
+            cell.complete(Err(Error::Aborted { op, rank, reason }), None);
+            return None;
         }
         if let Some(Some(peer)) = self.peers.get_mut(p) {
             peer.lane_waits[at] = Some(LaneWait::Op { seq, id });
             peer.lane_ops += 1;
         }
         self.sends.insert(id, pending);
-        Fast::Handed(id, cell)
+        Some(id)
     }
 }

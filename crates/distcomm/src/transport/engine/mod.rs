@@ -59,7 +59,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::call::Envelope;
-use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status};
+use crate::completion::{block, BoxBuf, Deadline, Driver, OpCell, Status, Ticket};
 use crate::copy::copy_bytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -258,10 +258,12 @@ struct Refusal {
 
 /// A lane message (point-to-point) whose sender waits for the receiver's answer word.
 enum LaneWait {
-    /// A send in `State::sends`, completed by the engine when the answer comes.
+    /// A send in `State::sends`, completed by the engine when the answer comes (one its
+    /// watcher handed over: `State::adopt_lane_send`).
     Op { seq: u64, id: u64 },
-    /// A blocking send whose caller watches the answer word itself; a refusal the engine reads
-    /// first (the Nack frame) is kept for it. Once accepted the entry is free for reuse.
+    /// A send whose watcher reads the answer word itself: a blocking caller, or a handle
+    /// ([`Ticket`]). A refusal the engine reads first (the Nack frame) is kept for it. Once
+    /// accepted the entry is free for reuse.
     Caller { seq: u64, nack: Option<Header> },
 }
 
@@ -270,9 +272,7 @@ enum LaneWait {
 enum Owner {
     /// Nobody (scheduled messages: complete once written).
     Nobody,
-    /// Send `id` in `State::sends`.
-    Op(u64),
-    /// The calling thread ([`LaneWait::Caller`]).
+    /// The calling thread or the send's handle ([`LaneWait::Caller`]).
     Caller,
 }
 
@@ -292,6 +292,18 @@ enum LaneRecv {
     /// Nothing for it yet.
     Empty,
     /// It must take the general path.
+    Declined,
+}
+
+/// What the waiter of a posted receive found when it tried to take its message itself
+/// ([`State::claim`]).
+enum Claim {
+    /// Its message, in its buffer: the receive left the queue without completing its cell.
+    Got(Status, BoxBuf),
+    /// Nothing for it yet in its source's lane.
+    Empty,
+    /// It must wait the general way (gone from the queue, not the next to match, any source,
+    /// the link not idle, or refused: then its cell says why).
     Declined,
 }
 

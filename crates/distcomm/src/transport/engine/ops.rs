@@ -118,7 +118,10 @@ impl Engine {
         }))
     }
 
-    /// Posts a send. The buffer is owned by the engine until the returned cell completes.
+    /// Posts a send. The buffer is owned by the engine until the returned cell completes; a
+    /// small point-to-point message written straight into a shared-memory lane comes back
+    /// with a [`Ticket`] instead, its buffer held in the cell, and its handle watches the
+    /// answer itself (see [`Driver::adopt`]).
     pub(crate) fn isend(&self, env: Envelope, buf: BoxBuf, dst: usize) -> (u64, Arc<OpCell>) {
         #[cfg(feature = "trace-messages")]
         trace_post("isend", self.sh.rank, Some(dst), &env, buf.bytes().len());
@@ -136,17 +139,21 @@ impl Engine {
             && !st.cancelled.contains((env.ctx, env.tag))
         {
             let waits = !refusal::scheduled(env.fp);
-            let owner = if waits { Owner::Op(id) } else { Owner::Nobody };
-            if st.lane_send(dst, &hdr, buf.bytes(), owner).is_some() {
-                let cell = Arc::new(OpCell::default());
-                let mut pending = env.pending(dst, len, cell.clone());
-                if waits {
-                    pending.buf = Some(buf);
-                    st.sends.insert(id, pending);
-                } else {
-                    cell.complete(Ok(pending.status(dst)), Some(buf));
+            let owner = if waits { Owner::Caller } else { Owner::Nobody };
+            if let Some(seq) = st.lane_send(dst, &hdr, buf.bytes(), owner) {
+                drop(st);
+                let ticket = Ticket {
+                    peer: dst,
+                    seq,
+                    env,
+                    len,
+                };
+                if !waits {
+                    let cell = Arc::new(OpCell::default());
+                    cell.complete(Ok(ticket.status()), Some(buf));
+                    return (id, cell);
                 }
-                return (id, cell);
+                return (id, Arc::new(OpCell::watched(ticket, buf)));
             }
         }
         let cell = Arc::new(OpCell::default());
@@ -473,15 +480,21 @@ impl Engine {
         let Some(seq) = sent else {
             return Fast::Declined;
         };
-        self.fast_wait(|| watch.answered(seq).is_some());
+        let t = Ticket {
+            peer: dst,
+            seq,
+            env,
+            len: data.len(),
+        };
+        self.fast_wait(FAST_SPIN, || watch.answered(seq).is_some());
         if watch.answered(seq) == Some(true) {
-            return Fast::Done(Ok(Status {
-                peer: dst,
-                tag: env.tag,
-                bytes: data.len(),
-            }));
+            return Fast::Done(Ok(t.status()));
         }
-        self.sh.lock().adopt_lane_send(dst, seq, &env, data.len())
+        let cell = Arc::new(OpCell::default());
+        match self.sh.lock().adopt_lane_send(&t, &cell, None) {
+            Some(id) => Fast::Handed(id, cell),
+            None => Fast::Done(cell.result().unwrap_or(Ok(t.status()))),
+        }
     }
 
     /// A blocking receive of a point-to-point message from shared-memory peer `src` straight
@@ -507,7 +520,40 @@ impl Engine {
                 LaneRecv::Empty | LaneRecv::Declined => return None,
             }
             // Ring bytes come first: the engine reads those.
-            if watch.ring_incoming() || !self.fast_wait(|| watch.incoming()) {
+            if watch.ring_incoming() || !self.fast_wait(FAST_SPIN, || watch.incoming()) {
+                return None;
+            }
+            waited = true;
+        }
+    }
+}
+
+impl Engine {
+    /// The waiter of posted receive `id` takes its message itself when it is at the head of
+    /// its source's lane or arrives there within a short spin ([`State::claim`]): from the
+    /// lane into the receive's buffer, which comes back here, without a sweep of the links or
+    /// the completion cell. `None`: nothing was taken; wait the general way.
+    pub(crate) fn claim(&self, id: u64, src: usize, limit: Duration) -> Option<(Status, BoxBuf)> {
+        // Only from a shared-memory peer, and not while ring bytes wait (the engine reads
+        // those first): looked at without the lock.
+        let watch = self.sh.watch.get(src)?.as_ref()?;
+        if watch.ring_incoming() {
+            return None;
+        }
+        let mut waited = false;
+        loop {
+            let (claim, backlog) = {
+                let mut st = self.sh.lock();
+                (st.claim(id), st.backlog())
+            };
+            match claim {
+                Claim::Got(status, buf) => return Some((status, buf)),
+                // Spinning here writes nothing: queued frames go out with the general wait.
+                Claim::Empty if !waited && !backlog => {}
+                Claim::Empty | Claim::Declined => return None,
+            }
+            // Ring bytes come first: the engine reads those.
+            if watch.ring_incoming() || !self.fast_wait(limit.min(FAST_SPIN), || watch.incoming()) {
                 return None;
             }
             waited = true;

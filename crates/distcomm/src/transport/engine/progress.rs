@@ -126,6 +126,11 @@ impl State {
         any
     }
 
+    /// Whether frames wait in any peer's queue (to be written by a sweep).
+    pub(super) fn backlog(&self) -> bool {
+        self.peers.iter().flatten().any(|p| !p.out.is_empty())
+    }
+
     /// Before the progress thread sleeps: raises the sleep flags of every shared-memory link
     /// (so the peer rings the doorbell). Returns whether something is already waiting, in
     /// which case it must not sleep.
@@ -158,9 +163,9 @@ impl State {
 
 impl Engine {
     /// Spins until `ready()` (yielding the core on every turn when ranks outnumber cores), at
-    /// most [`FAST_SPIN`]; returns whether it became ready. Counts as a spinning waiter, so
-    /// the progress thread keeps off the links meanwhile.
-    pub(super) fn fast_wait(&self, ready: impl Fn() -> bool) -> bool {
+    /// most `limit` and the configured spin; returns whether it became ready. Counts as a
+    /// spinning waiter, so the progress thread keeps off the links meanwhile.
+    pub(super) fn fast_wait(&self, limit: Duration, ready: impl Fn() -> bool) -> bool {
         if ready() {
             return true;
         }
@@ -168,7 +173,7 @@ impl Engine {
             return false;
         }
         self.spin_begin();
-        let budget = self.sh.spin.min(FAST_SPIN);
+        let budget = self.sh.spin.min(limit);
         let mut start = None;
         let mut turns = 0u32;
         let ok = loop {
@@ -189,7 +194,9 @@ impl Engine {
                 std::thread::yield_now();
             }
         };
-        self.spin_end(ok);
+        // Not ready: every caller goes on to the general wait, which spins again; so no
+        // hand-over to the progress thread (a wake-up for nothing) here.
+        self.spin_end(true);
         ok
     }
 
@@ -313,6 +320,31 @@ impl Driver for Engine {
 
     fn rank(&self) -> usize {
         self.sh.rank
+    }
+
+    fn claim(&self, op_id: u64, src: usize, limit: Duration) -> Option<(Status, BoxBuf)> {
+        Engine::claim(self, op_id, src, limit)
+    }
+
+    fn answer(&self, t: &Ticket) -> Option<bool> {
+        self.sh.watch.get(t.peer)?.as_ref()?.answered(t.seq)
+    }
+
+    fn await_answer(&self, t: &Ticket, limit: Duration) -> bool {
+        let Some(Some(watch)) = self.sh.watch.get(t.peer) else {
+            return false;
+        };
+        // Frames queued behind lane messages go out only with a sweep: leave such waits to
+        // the general path, which sweeps.
+        if self.sh.lock().backlog() {
+            return false;
+        }
+        self.fast_wait(limit.min(FAST_SPIN), || watch.answered(t.seq).is_some())
+    }
+
+    fn adopt(&self, t: &Ticket, cell: &Arc<OpCell>) {
+        let buf = cell.take_buf();
+        self.sh.lock().adopt_lane_send(t, cell, buf);
     }
 }
 

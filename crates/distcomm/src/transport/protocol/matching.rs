@@ -114,6 +114,32 @@ impl<R: Receive, M: Message> Matcher<R, M> {
             .any(|r| takes(r.source(), r.key(), src, key))
     }
 
+    /// The position of the first posted receive for which `pred` holds, and whether a message
+    /// from its source with its key would go to it (it names its source, and no receive
+    /// posted before it could take that message).
+    pub(crate) fn find_posted(&self, mut pred: impl FnMut(&R) -> bool) -> Option<(usize, bool)> {
+        let i = self.posted.iter().position(&mut pred)?;
+        let r = &self.posted[i];
+        let first = r.source().is_some_and(|src| {
+            !self
+                .posted
+                .iter()
+                .take(i)
+                .any(|o| takes(o.source(), o.key(), src, r.key()))
+        });
+        Some((i, first))
+    }
+
+    /// The posted receive at position `i` (from [`Self::find_posted`]).
+    pub(crate) fn posted_at(&self, i: usize) -> Option<&R> {
+        self.posted.get(i)
+    }
+
+    /// Takes out the posted receive at position `i` (from [`Self::find_posted`]).
+    pub(crate) fn remove_posted(&mut self, i: usize) -> Option<R> {
+        self.posted.remove(i)
+    }
+
     /// Whether a message from `src` with `key` waits unexpected.
     pub(crate) fn unexpected_from(&self, src: usize, key: Key) -> bool {
         self.unexpected

@@ -390,9 +390,10 @@ pub(crate) trait Driver: Send + Sync {
     fn await_answer(&self, _t: &Ticket, _limit: Duration) -> bool {
         false
     }
-    /// Takes over watched send `t`, whose buffer `cell` holds: from now on the driver completes
-    /// `cell` (the buffer back in it on success), as for any operation it posted.
-    fn adopt(&self, t: &Ticket, cell: &std::sync::Arc<OpCell>) {
+    /// Takes over watched send `t` (operation `op_id`, the driver's numbering), whose buffer
+    /// `cell` holds: from now on the driver completes `cell` (the buffer back in it on
+    /// success), as for any operation it posted.
+    fn adopt(&self, _op_id: u64, t: &Ticket, cell: &std::sync::Arc<OpCell>) {
         cell.complete(
             Err(Error::Aborted {
                 op: t.env.op,

@@ -205,7 +205,7 @@ impl<B: 'static> Work<B> {
     /// Hands a watched send over to the driver (once, whoever asks first).
     fn hand_over(&self) {
         if let Some(t) = self.cell.take_ticket() {
-            self.driver.adopt(t, &self.cell);
+            self.driver.adopt(self.op_id, t, &self.cell);
         }
     }
 
@@ -245,12 +245,12 @@ impl<B: 'static> Work<B> {
     /// True once the operation is terminal (succeeded or failed). Never blocks.
     pub fn is_completed(&self) -> bool {
         if let Some(t) = self.cell.ticket() {
-            match self.driver.answer(t) {
-                Some(true) => return true,
-                // A refusal: the driver reads why.
-                Some(false) => self.hand_over(),
-                None => return false,
+            if self.driver.answer(t) == Some(true) {
+                return true;
             }
+            // Refused (the driver reads why) or not answered yet: a caller that polls goes on
+            // with the driver, which completes the cell, also when the peer is lost.
+            self.hand_over();
         }
         self.cell.is_done()
     }
@@ -374,7 +374,7 @@ impl<B> Drop for Work<B> {
         if let Some(t) = self.cell.take_ticket() {
             // A watched send not yet accepted goes on in the driver's hands.
             if self.driver.answer(t) != Some(true) {
-                self.driver.adopt(t, &self.cell);
+                self.driver.adopt(self.op_id, t, &self.cell);
             }
             return;
         }

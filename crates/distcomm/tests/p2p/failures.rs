@@ -233,3 +233,42 @@ fn blocking_small_calls_to_a_peer_that_exits_fail() {
         },
     );
 }
+
+/// A small send polled with `is_completed` (over shared memory, a send written into the lane
+/// whose handle watches its answer) towards a peer that exits without taking it: the poll
+/// turns true promptly and the handle reports `PeerLost` naming the peer, never a poll that
+/// stays false.
+#[test]
+fn small_send_polled_to_a_peer_that_exits_fails() {
+    run_native(
+        "failures::small_send_polled_to_a_peer_that_exits_fails",
+        &[2],
+        |g| {
+            if g.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(100));
+                std::process::exit(0);
+            }
+            let t = Instant::now();
+            let s = g.isend(vec![1u8; 8], 1, 7).unwrap();
+            while !s.is_completed() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the send to a peer that exited is still pending after {:?}",
+                    t.elapsed()
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            match s.wait() {
+                Err(Error::PeerLost {
+                    peer: 1, rank: 0, ..
+                }) => {}
+                other => panic!("expected peer 1 lost, got {other:?}"),
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "detection took {:?}",
+                t.elapsed()
+            );
+        },
+    );
+}

@@ -253,3 +253,48 @@ fn small_handles_finish_every_way_in_order() {
         },
     );
 }
+
+/// Small sends polled with `is_completed` only after later sends have used the lane's answer
+/// words again (over shared memory each word serves one send in flight; 16 per direction):
+/// every poll still turns true and every buffer comes back, in batches of up to 40.
+#[test]
+fn small_sends_polled_late_complete() {
+    run("handles::small_sends_polled_late_complete", &[2], |g| {
+        let peer = 1 - g.rank();
+        let batches = [16u8, 16, 40];
+        if g.rank() == 0 {
+            let mut sent = Vec::new();
+            for (b, &n) in batches.iter().enumerate() {
+                for k in 0..n {
+                    let tag = 100 * b as u32 + u32::from(k);
+                    sent.push((k, g.isend(vec![k; 8], peer, tag).unwrap()));
+                }
+                // The receiver has taken the whole batch.
+                g.recv(&mut [0u8; 1], peer, 1).unwrap();
+            }
+            let t = Instant::now();
+            while !sent.iter().all(|(_, w)| w.is_completed()) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "sends taken by the receiver still pending after {:?}",
+                    t.elapsed()
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for (k, w) in sent {
+                assert_eq!(w.into_buffer().unwrap(), vec![k; 8]);
+            }
+        } else {
+            for (b, &n) in batches.iter().enumerate() {
+                for k in 0..n {
+                    let mut got = [0u8; 8];
+                    g.recv(&mut got, peer, 100 * b as u32 + u32::from(k))
+                        .unwrap();
+                    assert_eq!(got, [k; 8]);
+                }
+                g.send(&[1u8], peer, 1).unwrap();
+            }
+        }
+        g.barrier().unwrap();
+    });
+}

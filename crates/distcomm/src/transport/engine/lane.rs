@@ -339,12 +339,14 @@ impl State {
 
     /// The watcher of lane send `t` (a blocking caller or a handle) stops watching its answer
     /// word: `cell` gets the outcome now if it is known (with `buf` on success), otherwise the
-    /// send becomes one the engine completes when the answer comes; then its id.
+    /// send becomes one the engine completes when the answer comes, under `id` (a handle's,
+    /// given when it was posted) or a new one; then that id.
     pub(super) fn adopt_lane_send(
         &mut self,
         t: &Ticket,
         cell: &Arc<OpCell>,
         buf: Option<BoxBuf>,
+        id: Option<u64>,
     ) -> Option<u64> {
         let (p, seq, env) = (t.peer, t.seq, &t.env);
         let rank = self.rank;
@@ -369,7 +371,7 @@ impl State {
             cell.complete(Ok(t.status()), buf);
             return None;
         }
-        let id = self.alloc_id();
+        let id = id.unwrap_or_else(|| self.alloc_id());
         let mut pending = env.pending(p, t.len, cell.clone());
         pending.buf = buf;
         if let Some(h) = nack {

@@ -491,7 +491,7 @@ impl Engine {
             return Fast::Done(Ok(t.status()));
         }
         let cell = Arc::new(OpCell::default());
-        match self.sh.lock().adopt_lane_send(&t, &cell, None) {
+        match self.sh.lock().adopt_lane_send(&t, &cell, None, None) {
             Some(id) => Fast::Handed(id, cell),
             None => Fast::Done(cell.result().unwrap_or(Ok(t.status()))),
         }

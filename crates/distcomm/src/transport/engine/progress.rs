@@ -342,9 +342,9 @@ impl Driver for Engine {
         self.fast_wait(limit.min(FAST_SPIN), || watch.answered(t.seq).is_some())
     }
 
-    fn adopt(&self, t: &Ticket, cell: &Arc<OpCell>) {
+    fn adopt(&self, op_id: u64, t: &Ticket, cell: &Arc<OpCell>) {
         let buf = cell.take_buf();
-        self.sh.lock().adopt_lane_send(t, cell, buf);
+        self.sh.lock().adopt_lane_send(t, cell, buf, Some(op_id));
     }
 }
 

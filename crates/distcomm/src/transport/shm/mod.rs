@@ -237,10 +237,18 @@ impl Ring {
     }
 
     /// The answer to lane message `seq` (of this ring's producer): `Some(true)` accepted,
-    /// `Some(false)` refused, `None` not yet.
+    /// `Some(false)` refused, `None` not yet. A word that holds a later message's answer says
+    /// "accepted": the producer gives a waited message's word to a later one only once its
+    /// answer said so, and messages nobody waits for are never answered (so a watcher that
+    /// looks late still reads the answer, for good).
     fn answer_of(&self, seq: u64) -> Option<bool> {
         let w = self.ack_word(seq).load(Ordering::Acquire);
-        (w & !ACK_REFUSED == seq).then_some(w & ACK_REFUSED == 0)
+        let of = w & !ACK_REFUSED;
+        if of == seq {
+            Some(w & ACK_REFUSED == 0)
+        } else {
+            (of > seq).then_some(true)
+        }
     }
 
     /// Whether the ring holds bytes its consumer has not read (the head is the consumer's own

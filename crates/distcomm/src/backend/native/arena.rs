@@ -59,7 +59,7 @@ use crate::transport::tcp::Engine;
 
 pub(crate) use self::direct::{Published, Remote};
 pub(crate) use self::setup::establish;
-pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
+pub(crate) use super::{ArenaConfig, Caches, Exchange, DEFAULT_CHUNK};
 
 const MAGIC: u64 = 0x6463_6172_656e_6131; // "dcarena1"
 const OFF_MAGIC: usize = 0;
@@ -168,9 +168,9 @@ pub(crate) struct Arena {
     /// Every rank's process id, when every pair of ranks can copy across processes (direct
     /// steps, see `direct.rs`).
     pids: Option<Vec<i32>>,
-    /// Whether every rank shares a core's caches with rank 0, as measured at set-up (the same
-    /// on every rank: see `setup.rs`).
-    shared_caches: bool,
+    /// Where the ranks run relative to rank 0, as measured at set-up (the same on every rank:
+    /// see `setup.rs`).
+    caches: Caches,
 }
 
 /// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
@@ -238,7 +238,7 @@ impl Arena {
         (me, members): (usize, Arc<Vec<usize>>),
         chunk: usize,
         cfg: &ArenaConfig,
-        (pids, shared_caches): (Option<Vec<i32>>, bool),
+        (pids, caches): (Option<Vec<i32>>, Caches),
     ) -> Arena {
         let seen = (0..members.len()).map(|_| AtomicU64::new(0)).collect();
         Arena {
@@ -257,7 +257,7 @@ impl Arena {
             chain: AtomicU64::new(0),
             seen,
             pids,
-            shared_caches,
+            caches,
         }
     }
 
@@ -580,10 +580,9 @@ impl Arena {
         Ok(())
     }
 
-    /// Whether the ranks share a core's caches (two hardware threads of one core), as every
-    /// rank agreed at set-up.
-    pub(crate) fn shared_caches(&self) -> bool {
-        self.shared_caches
+    /// Where the ranks run relative to rank 0, as every rank agreed at set-up.
+    pub(crate) fn caches(&self) -> Caches {
+        self.caches
     }
 
     /// The group's ranks.

@@ -8,7 +8,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 
-pub(crate) use super::{ArenaConfig, Exchange, DEFAULT_CHUNK};
+pub(crate) use super::{ArenaConfig, Caches, Exchange, DEFAULT_CHUNK};
 
 pub(crate) enum Arena {}
 
@@ -96,7 +96,7 @@ impl Arena {
         match *self {}
     }
 
-    pub(crate) fn shared_caches(&self) -> bool {
+    pub(crate) fn caches(&self) -> Caches {
         match *self {}
     }
 

@@ -12,7 +12,7 @@
 
 use std::mem::{size_of, size_of_val};
 
-use super::arena::{Arena, Exchange, Published, Reads, Remote};
+use super::arena::{Arena, Caches, Exchange, Published, Reads, Remote};
 use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::{Call, CallKind};
@@ -196,7 +196,7 @@ pub(super) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
 /// machine's two vCPUs had other placements then.)
 pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 32 << 20;
 
-/// Where the ranks share a core's caches ([`Arena::shared_caches`]), direct steps (gather,
+/// Where the ranks share a core's caches ([`Caches::Shared`]), direct steps (gather,
 /// scatter, all_gather, all_to_all, a two-rank reduce) only from blocks this large, so
 /// broadcast (direct only up to [`DIRECT_BROADCAST_MAX`]) and all_reduce never: the slots'
 /// two copies then pass through caches both ranks share and beat the kernel's one copy (which
@@ -207,12 +207,29 @@ pub(super) const DIRECT_ALL_REDUCE_MIN: usize = 32 << 20;
 /// 3084 against 3346, 64 MiB 13826 against 16682.
 pub(super) const SHARED_CACHES_DIRECT_MIN: usize = 4 << 20;
 
+/// Where the ranks are near (a short round trip, yet one cross-memory copy beats the slots'
+/// two: [`Caches::Near`]), direct steps only from blocks this large. Measured on such a pair
+/// (world 2, 3 rounds gated on a round trip under 0.2 µs, µs, slots against direct): 64 KiB
+/// gather 3.9 against 5.4, all_gather 5.4 against 6.7, scatter 5.0 against 5.4, all_to_all
+/// 5.4 against 5.7 (the slots ahead), broadcast 7.5 against 6.4; 256
+/// KiB broadcast 29.8 against 16.3, all_gather 21.7 against 12.3, gather 15.1 against 11.7,
+/// scatter 20.2 against 11.7, all_to_all 21.7 against 12.3; 1 MiB broadcast 102 against 60,
+/// gather 58 against 44, scatter 53 against 40, all_to_all 78 against 45. all_reduce keeps
+/// the slots there (64 MiB: 16.8 ms against 18.1 with direct steps); reduce see
+/// [`NEAR_REDUCE_MIN`].
+pub(super) const NEAR_DIRECT_MIN: usize = 256 << 10;
+/// Where the ranks are near, a two-rank reduce takes its direct step only from this many
+/// bytes (same measurement as [`NEAR_DIRECT_MIN`], µs, one step through the slots against
+/// the direct step: 256 KiB 20.3 against 29.5, 1 MiB 120 against 96).
+pub(super) const NEAR_REDUCE_MIN: usize = 1 << 20;
+
 /// The smallest block of a direct step in `arena`, when ranks do not outnumber cores: `min`,
-/// or [`SHARED_CACHES_DIRECT_MIN`] where they share a core's caches.
+/// or more where the ranks share a core's caches or are near.
 fn direct_min(arena: &Arena, min: usize) -> usize {
-    match arena.shared_caches() {
-        true => min.max(SHARED_CACHES_DIRECT_MIN),
-        false => min,
+    match arena.caches() {
+        Caches::Apart => min,
+        Caches::Near => min.max(NEAR_DIRECT_MIN),
+        Caches::Shared => min.max(SHARED_CACHES_DIRECT_MIN),
     }
 }
 
@@ -220,7 +237,7 @@ fn direct_min(arena: &Arena, min: usize) -> usize {
 pub(super) fn direct_all_reduce_worth_it(arena: &Arena, bytes: usize) -> bool {
     arena.direct()
         && !arena.oversubscribed()
-        && !arena.shared_caches()
+        && arena.caches() == Caches::Apart
         && bytes >= DIRECT_ALL_REDUCE_MIN
 }
 
@@ -242,7 +259,11 @@ fn direct_reduce_worth_it<T: Reducible>(arena: &Arena, n: usize, bytes: usize) -
         && !T::WIDENS
         && arena.direct()
         && !arena.oversubscribed()
-        && bytes >= direct_min(arena, DIRECT_REDUCE_MIN)
+        && bytes
+            >= match arena.caches() {
+                Caches::Near => NEAR_REDUCE_MIN,
+                _ => direct_min(arena, DIRECT_REDUCE_MIN),
+            }
 }
 
 /// Whether `coll` moves by a direct step in `arena`.

@@ -55,6 +55,20 @@ pub(crate) struct Exchange<'a> {
     pub engine: &'a Engine,
 }
 
+/// Where a group's ranks run relative to rank 0, as measured when its arena is set up (see
+/// `arena/setup.rs`); it decides from which sizes collectives copy across processes instead of
+/// through the slots (see `intranode::direct_min`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Caches {
+    /// On cores with caches of their own (a cache line's round trip of 0.25 µs or more).
+    Apart,
+    /// Sharing a core's caches: a short round trip, and the slots' two copies beat one
+    /// cross-memory copy.
+    Shared,
+    /// A short round trip, yet one cross-memory copy beats the slots' two copies.
+    Near,
+}
+
 /// Settings of the arena.
 #[derive(Clone)]
 pub(crate) struct ArenaConfig {

@@ -8,8 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::direct;
-use super::{arena_len, Arena, ArenaConfig, MAGIC, OFF_DONE, OFF_MAGIC, OFF_PING, OFF_PONG};
+use super::{
+    arena_len, data_base, Arena, ArenaConfig, Caches, MAGIC, OFF_DONE, OFF_MAGIC, OFF_PING,
+    OFF_PONG,
+};
 use crate::error::Result;
+use crate::transport::shm::cma_read;
 use crate::transport::shm::Region;
 
 /// Sets up a group's arena through the store, if every member says all its links to the others
@@ -96,18 +100,24 @@ pub(crate) fn establish(
     let (true, Some(region)) = (all, region) else {
         return Ok(None);
     };
-    // Whether the ranks share a core's caches only matters to the direct steps, and cannot be
-    // told when they outnumber the cores (a rank that waits for the core is no measure).
-    let shared = if pids.is_some() && !crowded {
-        shares_caches(store, &region, (me, n), cfg.shared_caches)?
+    // Where the ranks run only matters to the direct steps, and cannot be told when they
+    // outnumber the cores (a rank that waits for the core is no measure).
+    let caches = if pids.is_some() && !crowded {
+        let probe = Probe {
+            region: &region,
+            at: data_base(n),
+            len: PROBE_BYTES.min(chunk),
+            root_pid: pids.as_ref().and_then(|p| p.first().copied()).unwrap_or(0),
+        };
+        placement(store, &probe, (me, n), cfg.shared_caches)?
     } else {
-        false
+        Caches::Apart
     };
     let cfg = ArenaConfig {
         oversubscribed: crowded,
         ..cfg.clone()
     };
-    let arena = Arena::new(region, (me, members), chunk, &cfg, (pids, shared));
+    let arena = Arena::new(region, (me, members), chunk, &cfg, (pids, caches));
     Ok(Some(Arc::new(arena)))
 }
 
@@ -122,37 +132,105 @@ const ROUNDS: u64 = 200;
 const SHARED_RTT: Duration = Duration::from_nanos(250);
 /// How long rank 0 tries each pair, and how long a rank answers, at most.
 const PAIR_LIMIT: Duration = Duration::from_millis(5);
+/// A round trip under [`SHARED_RTT`] does not settle it: these VMs also place their two vCPUs
+/// where the round trip is 90-150 ns and yet the slots' two copies lose to the kernel's one
+/// (world 2, `DISTCOMM_SHM_SHARED_CACHES=1` against `=0`, 3 alternating rounds gated on that
+/// round trip, µs: broadcast 256 KiB 29.9 against 15.6, 1 MiB 98 against 61; all_gather 1 MiB
+/// 78 against 45; gather 1 MiB 59 against 44; scatter 1 MiB 61 against 41; all_to_all 1 MiB 78
+/// against 45), while an earlier placement with the same round trip had the slots ahead up to
+/// megabytes (see `intranode::SHARED_CACHES_DIRECT_MIN`). There a first read of bytes the
+/// other rank has just written runs at 1.4-2.5x the time of a second one: no tell either. So
+/// after the round trip, rank 0 times the two ways themselves on [`PROBE_BYTES`]: its copy
+/// into a slot plus the other rank's copy out of it, against the other rank's cross-memory
+/// copy of rank 0's buffer (the median of [`COPY_ROUNDS`] after one to warm up). The slots'
+/// way is kept only where it is the faster.
+const PROBE_BYTES: usize = 256 << 10;
+/// Rounds of the copy probe per rank (the first not counted).
+const COPY_ROUNDS: u64 = 4;
+/// Marks a ping that asks for the copy probe (round `k` of it in the low bits).
+const COPY_PING: u64 = 1 << 31;
+/// Rank 0's line: the address of its probe buffer, next to the ping.
+const OFF_PROBE_ADDR: usize = OFF_PING + 8;
+/// The other rank's line: its copy-out and cross-memory copy times (ns), next to the pong.
+const OFF_PROBE_OUT: usize = OFF_PONG + 8;
+const OFF_PROBE_CMA: usize = OFF_PONG + 16;
 
-/// Whether every rank shares a core's caches with rank 0 (so the slots' two copies pass
-/// through caches both ranks share, and beat one cross-memory copy by the kernel up to
-/// megabytes: see `intranode::SHARED_CACHES_DIRECT_MIN`), measured by a cache line's round trip
-/// between rank 0 and each other rank in turn. Rank 0 decides and announces it through the
-/// store, so every rank agrees whatever it measured; a rank that did not answer in time makes it
-/// `false` (the choice for ranks on cores of their own). `told`: the setting
-/// (`DISTCOMM_SHM_SHARED_CACHES`), of which only rank 0's counts: it announces it instead of
-/// measuring.
-fn shares_caches(
+/// The copy probe's place: the start of the (still unused) slots, and rank 0's process id.
+struct Probe<'a> {
+    region: &'a Region,
+    at: usize,
+    len: usize,
+    root_pid: i32,
+}
+
+/// Where the ranks run relative to rank 0: sharing its core's caches (the slots' two copies
+/// pass through caches both ranks share, and beat one cross-memory copy by the kernel up to
+/// megabytes: see `intranode::SHARED_CACHES_DIRECT_MIN`), near it (a short round trip, yet the
+/// kernel's copy is the faster), or apart, measured by a cache line's round trip between rank 0
+/// and each other rank in turn, then by timing the two ways of copying (see [`PROBE_BYTES`]).
+/// The group is as far apart as its farthest rank. Rank 0 decides and announces it through
+/// the store, so every rank agrees whatever it measured; a rank that did not answer in time
+/// makes it [`Caches::Apart`] (the choice for ranks on cores of their own). `told`: the setting
+/// (`DISTCOMM_SHM_SHARED_CACHES`: shared or apart), of which only rank 0's counts: it announces
+/// it instead of measuring.
+fn placement(
     store: &dyn crate::rendezvous::Store,
-    region: &Region,
+    probe: &Probe<'_>,
     (me, n): (usize, usize),
     told: Option<bool>,
-) -> Result<bool> {
+) -> Result<Caches> {
+    let region = probe.region;
     let (ping, pong) = (region.word(OFF_PING), region.word(OFF_PONG));
     let done = region.word(OFF_DONE);
+    let words = [
+        (Caches::Apart, &b"apart"[..]),
+        (Caches::Near, b"near"),
+        (Caches::Shared, b"shared"),
+    ];
     if me == 0 {
-        let shared = told.unwrap_or_else(|| {
-            (1..n).all(|r| {
+        let measured = || {
+            (1..n).fold(Caches::Shared, |group, r| {
+                if group == Caches::Apart {
+                    return group;
+                }
                 let rtt = round_trip(r as u64, ping, pong);
-                tracing::debug!(rank = r, ?rtt, "arena: cache line round trip with rank 0");
-                rtt.is_some_and(|rtt| rtt < SHARED_RTT)
+                let ways = match rtt {
+                    Some(rtt) if rtt < SHARED_RTT => time_ways(probe, r as u64, ping, pong),
+                    _ => None,
+                };
+                tracing::debug!(
+                    rank = r,
+                    ?rtt,
+                    ?ways,
+                    "arena: cache line round trip with rank 0; the slots' copies against a \
+                     cross-memory copy (ns)"
+                );
+                match ways {
+                    None => Caches::Apart,
+                    Some((slots, cma)) if slots >= cma => Caches::Near,
+                    Some(_) => group,
+                }
             })
-        });
+        };
+        let caches = match told {
+            Some(true) => Caches::Shared,
+            Some(false) => Caches::Apart,
+            None => measured(),
+        };
         done.store(1, Ordering::Release);
-        store.set("arena/caches", if shared { b"1" } else { b"0" })?;
+        let word = words
+            .iter()
+            .find(|(c, _)| *c == caches)
+            .map_or(&b"apart"[..], |w| w.1);
+        store.set("arena/caches", word)?;
     } else {
-        answer(me as u64, ping, pong, done);
+        answer(me as u64, probe, done);
     }
-    Ok(store.get("arena/caches")? == b"1")
+    let said = store.get("arena/caches")?;
+    Ok(words
+        .iter()
+        .find(|(_, w)| *w == said.as_slice())
+        .map_or(Caches::Apart, |w| w.0))
 }
 
 /// Rank 0's side: the median of [`ROUNDS`] round trips with rank `r`, `None` when it did not
@@ -178,15 +256,95 @@ fn round_trip(r: u64, ping: &AtomicU64, pong: &AtomicU64) -> Option<Duration> {
     times.get(times.len() / 2).copied()
 }
 
-/// Another rank's side: echoes rank 0's pings to it until rank 0 is done with every rank, or
-/// for `me + 1` times [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the ranks before it
-/// for at most [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: `false`).
-fn answer(me: u64, ping: &AtomicU64, pong: &AtomicU64, done: &AtomicU64) {
-    let until = Instant::now() + PAIR_LIMIT * u32::try_from(me + 1).unwrap_or(u32::MAX);
+/// Rank 0's side of the copy probe with rank `r`: the medians over [`COPY_ROUNDS`] (the first
+/// not counted) of the slots' way (rank 0's copy of its buffer into a slot plus `r`'s copy out
+/// of it) and of `r`'s cross-memory copy of rank 0's buffer, in ns; `None` when `r` did not
+/// answer within [`PAIR_LIMIT`].
+fn time_ways(probe: &Probe<'_>, r: u64, ping: &AtomicU64, pong: &AtomicU64) -> Option<(u64, u64)> {
+    let until = Instant::now() + PAIR_LIMIT;
+    let region = probe.region;
+    // The same buffer every round, as a benchmark's (or a training step's reused tensor).
+    let src = vec![1u8; probe.len];
+    let (mut slots, mut cma) = (Vec::new(), Vec::new());
+    for k in 0..COPY_ROUNDS {
+        let t = Instant::now();
+        {
+            // SAFETY: the slots are unused until set-up ends, and no other rank reads these
+            // bytes before the ping below (rank `r` reads them between it and its pong; every
+            // other rank only answers pings meant for it).
+            let slot = unsafe { region.view_mut::<u8>(probe.at, probe.len) };
+            crate::copy::copy_bytes(slot, &src);
+        }
+        let copy_in = nanos(t.elapsed());
+        region
+            .word(OFF_PROBE_ADDR)
+            .store(src.as_ptr() as u64, Ordering::Relaxed);
+        let word = r << 32 | COPY_PING | k;
+        ping.store(word, Ordering::Release);
+        let mut turns = 0u32;
+        while pong.load(Ordering::Acquire) != word {
+            turns = turns.wrapping_add(1);
+            if turns % 256 == 0 && Instant::now() >= until {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
+        if k > 0 {
+            let out = region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
+            slots.push(copy_in.saturating_add(out));
+            cma.push(region.word(OFF_PROBE_CMA).load(Ordering::Relaxed));
+        }
+    }
+    Some((median(&mut slots)?, median(&mut cma)?))
+}
+
+fn median(v: &mut [u64]) -> Option<u64> {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied()
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The other rank's side of one round of the copy probe: copies rank 0's bytes out of the slot,
+/// then straight from rank 0's buffer by cross-memory copy, and publishes both times (a failed
+/// cross-memory copy counts as never done: the slots' way then wins).
+fn time_copies_out(probe: &Probe<'_>, dst: &mut [u8]) {
+    let region = probe.region;
+    let t = Instant::now();
+    {
+        // SAFETY: rank 0 wrote the bytes before its ping (acquired by the caller) and leaves
+        // them alone until our pong.
+        let slot = unsafe { region.view::<u8>(probe.at, probe.len) };
+        crate::copy::copy_bytes(&mut dst[..slot.len()], slot);
+    }
+    let out = nanos(t.elapsed());
+    let addr = region.word(OFF_PROBE_ADDR).load(Ordering::Relaxed);
+    let t = Instant::now();
+    let cma = match cma_read(probe.root_pid, addr, &mut dst[..probe.len]) {
+        Ok(()) => nanos(t.elapsed()),
+        Err(_) => u64::MAX,
+    };
+    region.word(OFF_PROBE_OUT).store(out, Ordering::Relaxed);
+    region.word(OFF_PROBE_CMA).store(cma, Ordering::Relaxed);
+}
+
+/// Another rank's side: echoes rank 0's pings to it (reading the copy probe's bytes first when
+/// the ping asks for it) until rank 0 is done with every rank, or for `me + 1` times
+/// [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the ranks before it for at most
+/// twice [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: `false`).
+fn answer(me: u64, probe: &Probe<'_>, done: &AtomicU64) {
+    let (ping, pong) = (probe.region.word(OFF_PING), probe.region.word(OFF_PONG));
+    let mut dst = vec![0u8; probe.len];
+    let until = Instant::now() + 2 * PAIR_LIMIT * u32::try_from(me + 1).unwrap_or(u32::MAX);
     let mut turns = 0u32;
     while done.load(Ordering::Acquire) == 0 {
         let word = ping.load(Ordering::Acquire);
         if word >> 32 == me && pong.load(Ordering::Relaxed) != word {
+            if word & COPY_PING != 0 {
+                time_copies_out(probe, &mut dst);
+            }
             pong.store(word, Ordering::Release);
         }
         turns = turns.wrapping_add(1);

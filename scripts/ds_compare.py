@@ -26,18 +26,25 @@ DS_BENCH = os.path.join(ROOT, "..", "shared", "bench", "ds_shm_bench.py")
 TORCH_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
-def ds_run(venv, world, dtype, sizes):
+def ds_run(venv, world, dtype, sizes, tries=3):
+    """DeepSpeed's times by size. Its processes sometimes abort at teardown, after printing
+    every result ("terminate called without an active exception"): such a run counts when it
+    printed a time for every size; a run that did not is tried again, `tries` times in all."""
     env = dict(os.environ, PATH=os.path.join(venv, "bin") + ":" + os.environ["PATH"],
                DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world))
-    p = subprocess.run([os.path.join(venv, "bin", "torchrun"), "--nproc-per-node", str(world),
-                        DS_BENCH, "--dtype", TORCH_DTYPE[dtype], "--sizes", sizes],
-                       capture_output=True, text=True, env=env, timeout=1800)
-    if p.returncode != 0:
-        sys.exit(f"DeepSpeed's benchmark failed ({dtype}; the venv needs torch, deepspeed and "
-                 f"ninja):\n{p.stderr[-3000:]}")
-    out = p.stdout
-    return {int(line.split("bytes=")[1].split()[0]): float(line.split("time_us=")[1])
-            for line in out.splitlines() if line.startswith("ds_shm")}
+    for _ in range(tries):
+        p = subprocess.run([os.path.join(venv, "bin", "torchrun"), "--nproc-per-node",
+                            str(world), DS_BENCH, "--dtype", TORCH_DTYPE[dtype], "--sizes", sizes],
+                           capture_output=True, text=True, env=env, timeout=1800)
+        got = {int(line.split("bytes=")[1].split()[0]): float(line.split("time_us=")[1])
+               for line in p.stdout.splitlines() if line.startswith("ds_shm")}
+        if len(got) == len(sizes.split(",")):
+            if p.returncode != 0:
+                print(f"(DeepSpeed's {dtype} run exited with {p.returncode} after printing every "
+                      "result; counted)", file=sys.stderr)
+            return got
+    sys.exit(f"DeepSpeed's benchmark failed ({dtype}, {tries} tries; the venv needs torch, "
+             f"deepspeed and ninja):\n{p.stderr[-3000:]}")
 
 
 def ours_run(distcomm, world, dtype, sizes):

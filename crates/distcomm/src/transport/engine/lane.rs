@@ -210,55 +210,78 @@ impl State {
     /// its lane if nothing can come before it: no earlier receive of this (source, tag) is
     /// posted, none of its messages is queued, `p`'s ring holds no half-read frame. Messages of
     /// other tags that come first are delivered as usual.
-    pub(super) fn recv_from_lane(&mut self, p: usize, env: &Envelope, out: &mut [u8]) -> LaneRecv {
-        let idle = matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none()
-            && peer.link.shm.is_some()
-            && matches!(peer.rx, Rx::Header)
-            && peer.rx_start == peer.rx_end);
-        let (ctx, tag) = (env.ctx, env.tag);
-        if !idle
-            || self.closed.is_some()
-            || self.matcher.posted_could_take(p, (ctx, tag))
-            || self.matcher.unexpected_from(p, (ctx, tag))
+    pub(super) fn recv_from_lane(
+        &mut self,
+        p: usize,
+        env: &Envelope,
+        out: &mut [u8],
+    ) -> LaneTake<Result<Status>> {
+        let key = (env.ctx, env.tag);
+        if !self.lane_idle(p)
+            || self.matcher.posted_could_take(p, key)
+            || self.matcher.unexpected_from(p, key)
         {
-            return LaneRecv::Declined;
+            return LaneTake::Declined;
         }
+        let (h, m) = match self.lane_next(p, key) {
+            Ok(Some(msg)) => msg,
+            Ok(None) => return LaneTake::Empty,
+            Err(()) => return LaneTake::Declined,
+        };
+        let cap = out.len() as u64;
+        LaneTake::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
+            Ok(()) => {
+                // `refusal::check` made sure `out` holds at least `m.len` bytes.
+                self.lane_accept(p, &h, m, out);
+                Ok(Status {
+                    peer: p,
+                    tag: env.tag,
+                    bytes: m.len,
+                })
+            }
+            Err((e, reason)) => {
+                self.lane_release(p, m, false);
+                let refusal = Refusal {
+                    reason,
+                    cap,
+                    dtype: env.dtype,
+                    fp: env.fp,
+                };
+                self.answer(p, &h, Some(refusal));
+                Err(e)
+            }
+        })
+    }
+
+    /// Whether `p` is a live shared-memory peer with no half-read frame in its ring (so the
+    /// head of its lane is the next thing it sent that we have not taken), and the engine is
+    /// open.
+    fn lane_idle(&self, p: usize) -> bool {
+        self.closed.is_none()
+            && matches!(self.peers.get(p), Some(Some(peer)) if peer.dead.is_none()
+                && peer.link.shm.is_some()
+                && matches!(peer.rx, Rx::Header)
+                && peer.rx_start == peer.rx_end)
+    }
+
+    /// The first message of `key` (context, tag) at the head of `p`'s lane, the messages of
+    /// other keys ahead of it delivered as usual on the way; `Ok(None)` when there is none now,
+    /// `Err(())` when the link failed (then `p` is marked dead).
+    fn lane_next(
+        &mut self,
+        p: usize,
+        key: (u32, u32),
+    ) -> std::result::Result<Option<(Header, LaneMsg)>, ()> {
         loop {
-            let (h, m) = match self.lane_peek(p) {
-                Ok(Some(msg)) => msg,
-                Ok(None) => return LaneRecv::Empty,
+            match self.lane_peek(p) {
+                Ok(Some((h, m))) if (h.ctx, h.tag) == key => return Ok(Some((h, m))),
+                Ok(Some((h, m))) => self.lane_deliver(p, h, m),
+                Ok(None) => return Ok(None),
                 Err(reason) => {
                     self.mark_dead(p, reason);
-                    return LaneRecv::Declined;
+                    return Err(());
                 }
-            };
-            if (h.ctx, h.tag) != (ctx, tag) {
-                self.lane_deliver(p, h, m);
-                continue;
             }
-            let cap = out.len() as u64;
-            return LaneRecv::Got(match refusal::check(self.rank, env.expect(cap), p, &h) {
-                Ok(()) => {
-                    // `refusal::check` made sure `out` holds at least `m.len` bytes.
-                    self.lane_accept(p, &h, m, out);
-                    Ok(Status {
-                        peer: p,
-                        tag,
-                        bytes: m.len,
-                    })
-                }
-                Err((e, reason)) => {
-                    self.lane_release(p, m, false);
-                    let refusal = Refusal {
-                        reason,
-                        cap,
-                        dtype: env.dtype,
-                        fp: env.fp,
-                    };
-                    self.answer(p, &h, Some(refusal));
-                    Err(e)
-                }
-            });
         }
     }
 
@@ -268,7 +291,7 @@ impl State {
     /// before it that could take it, none of its messages queued. Messages of other keys that
     /// come first are delivered as usual. On success the receive leaves the queue with the
     /// message in its buffer and its cell untouched (the handle, consumed, never reads it).
-    pub(super) fn claim(&mut self, id: u64) -> Claim {
+    pub(super) fn claim(&mut self, id: u64) -> LaneTake<(Status, BoxBuf)> {
         let Some((Some(src), key)) = self
             .matcher
             .find_posted(|r| r.id == id)
@@ -276,64 +299,50 @@ impl State {
             .and_then(|(i, _)| self.matcher.posted_at(i))
             .map(|r| (r.src, (r.ctx, r.tag)))
         else {
-            return Claim::Declined;
+            return LaneTake::Declined;
         };
-        let idle = matches!(self.peers.get(src), Some(Some(peer)) if peer.dead.is_none()
-            && peer.link.shm.is_some()
-            && matches!(peer.rx, Rx::Header)
-            && peer.rx_start == peer.rx_end);
-        if !idle
-            || self.closed.is_some()
+        if !self.lane_idle(src)
             || self.cancelled.contains(key)
             || self.matcher.unexpected_from(src, key)
         {
-            return Claim::Declined;
+            return LaneTake::Declined;
         }
-        loop {
-            let (h, m) = match self.lane_peek(src) {
-                Ok(Some(msg)) => msg,
-                Ok(None) => return Claim::Empty,
-                Err(reason) => {
+        let (h, m) = match self.lane_next(src, key) {
+            Ok(Some(msg)) => msg,
+            Ok(None) => return LaneTake::Empty,
+            Err(()) => return LaneTake::Declined,
+        };
+        // Still posted: nothing else takes receives out while we hold the lock, and the
+        // messages delivered on the way had other keys.
+        let Some(mut r) = self
+            .matcher
+            .find_posted(|r| r.id == id)
+            .and_then(|(i, _)| self.matcher.remove_posted(i))
+        else {
+            return LaneTake::Declined;
+        };
+        match self.check(&mut r, src, &h) {
+            Ok(()) => {
+                // `check` made sure the buffer holds at least `h.len == m.len` bytes.
+                self.lane_accept(src, &h, m, r.buf.bytes_mut());
+                let status = Status {
+                    peer: src,
+                    tag: h.tag,
+                    bytes: m.len,
+                };
+                // Take what came behind it too, and write the replies those left queued, as a
+                // sweep would: the sender writes to its ring only once the lane is empty, and
+                // waits for the replies.
+                if let Err(reason) = self.pump_lane(src).and_then(|_| self.pump_tx(src)) {
                     self.mark_dead(src, reason);
-                    return Claim::Declined;
                 }
-            };
-            if (h.ctx, h.tag) != key {
-                self.lane_deliver(src, h, m);
-                continue;
+                LaneTake::Got((status, r.buf))
             }
-            // Still posted: nothing else takes receives out while we hold the lock, and the
-            // messages delivered above had other keys.
-            let Some(mut r) = self
-                .matcher
-                .find_posted(|r| r.id == id)
-                .and_then(|(i, _)| self.matcher.remove_posted(i))
-            else {
-                return Claim::Declined;
-            };
-            return match self.check(&mut r, src, &h) {
-                Ok(()) => {
-                    // `check` made sure the buffer holds at least `h.len == m.len` bytes.
-                    self.lane_accept(src, &h, m, r.buf.bytes_mut());
-                    let status = Status {
-                        peer: src,
-                        tag: h.tag,
-                        bytes: m.len,
-                    };
-                    // Take what came behind it too, and write the replies those left queued,
-                    // as a sweep would: the sender writes to its ring only once the lane is
-                    // empty, and waits for the replies.
-                    if let Err(reason) = self.pump_lane(src).and_then(|_| self.pump_tx(src)) {
-                        self.mark_dead(src, reason);
-                    }
-                    Claim::Got(status, r.buf)
-                }
-                Err(why) => {
-                    self.lane_release(src, m, false);
-                    self.refuse(src, &h, r, why);
-                    Claim::Declined
-                }
-            };
+            Err(why) => {
+                self.lane_release(src, m, false);
+                self.refuse(src, &h, r, why);
+                LaneTake::Declined
+            }
         }
     }
 

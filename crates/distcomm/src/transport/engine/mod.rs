@@ -286,24 +286,15 @@ pub(crate) enum Fast {
     Declined,
 }
 
-/// What a receive offered to the lane found.
-enum LaneRecv {
-    Got(Result<Status>),
-    /// Nothing for it yet.
-    Empty,
-    /// It must take the general path.
-    Declined,
-}
-
-/// What the waiter of a posted receive found when it tried to take its message itself
-/// ([`State::claim`]).
-enum Claim {
-    /// Its message, in its buffer: the receive left the queue without completing its cell.
-    Got(Status, BoxBuf),
+/// What a receive that takes its message straight from a lane found: a blocking receive
+/// ([`State::recv_from_lane`], `T` its outcome) or the waiter of a posted one ([`State::claim`],
+/// `T` its status and buffer: the receive left the queue without completing its cell).
+enum LaneTake<T> {
+    Got(T),
     /// Nothing for it yet in its source's lane.
     Empty,
-    /// It must wait the general way (gone from the queue, not the next to match, any source,
-    /// the link not idle, or refused: then its cell says why).
+    /// It must take the general path (for a posted receive: gone from the queue, not the next
+    /// to match, any source, the link not idle, or refused, and then its cell says why).
     Declined,
 }
 

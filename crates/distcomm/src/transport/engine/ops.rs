@@ -509,18 +509,35 @@ impl Engine {
     ) -> Option<Result<Status>> {
         #[cfg(feature = "trace-messages")]
         trace_post("recv (lane)", self.sh.rank, Some(src), &env, out.len());
-        let Some(Some(watch)) = self.sh.watch.get(src) else {
-            return None;
-        };
+        self.take_from_lane(src, FAST_SPIN, |st| {
+            (st.recv_from_lane(src, &env, out), false)
+        })
+    }
+
+    /// Takes a message from shared-memory peer `src`'s lane with `take` (under the lock; it
+    /// also says whether frames wait to be written), spinning up to `limit` (at most
+    /// [`FAST_SPIN`]) once for one to come when the lane was empty. `None`: nothing was taken
+    /// (declined, nothing came, ring bytes come first, or frames wait: the general wait writes
+    /// those).
+    fn take_from_lane<T>(
+        &self,
+        src: usize,
+        limit: Duration,
+        mut take: impl FnMut(&mut State) -> (LaneTake<T>, bool),
+    ) -> Option<T> {
+        let watch = self.sh.watch.get(src)?.as_ref()?;
         let mut waited = false;
         loop {
-            match self.sh.lock().recv_from_lane(src, &env, out) {
-                LaneRecv::Got(r) => return Some(r),
-                LaneRecv::Empty if !waited => {}
-                LaneRecv::Empty | LaneRecv::Declined => return None,
+            // Ring bytes come first: the engine reads those (looked at without the lock).
+            if watch.ring_incoming() {
+                return None;
             }
-            // Ring bytes come first: the engine reads those.
-            if watch.ring_incoming() || !self.fast_wait(FAST_SPIN, || watch.incoming()) {
+            match take(&mut self.sh.lock()) {
+                (LaneTake::Got(got), _) => return Some(got),
+                (LaneTake::Empty, false) if !waited => {}
+                _ => return None,
+            }
+            if !self.fast_wait(limit.min(FAST_SPIN), || watch.incoming()) {
                 return None;
             }
             waited = true;
@@ -534,30 +551,8 @@ impl Engine {
     /// lane into the receive's buffer, which comes back here, without a sweep of the links or
     /// the completion cell. `None`: nothing was taken; wait the general way.
     pub(crate) fn claim(&self, id: u64, src: usize, limit: Duration) -> Option<(Status, BoxBuf)> {
-        // Only from a shared-memory peer, and not while ring bytes wait (the engine reads
-        // those first): looked at without the lock.
-        let watch = self.sh.watch.get(src)?.as_ref()?;
-        if watch.ring_incoming() {
-            return None;
-        }
-        let mut waited = false;
-        loop {
-            let (claim, backlog) = {
-                let mut st = self.sh.lock();
-                (st.claim(id), st.backlog())
-            };
-            match claim {
-                Claim::Got(status, buf) => return Some((status, buf)),
-                // Spinning here writes nothing: queued frames go out with the general wait.
-                Claim::Empty if !waited && !backlog => {}
-                Claim::Empty | Claim::Declined => return None,
-            }
-            // Ring bytes come first: the engine reads those.
-            if watch.ring_incoming() || !self.fast_wait(limit.min(FAST_SPIN), || watch.incoming()) {
-                return None;
-            }
-            waited = true;
-        }
+        // Spinning here writes nothing: queued frames go out with the general wait.
+        self.take_from_lane(src, limit, |st| (st.claim(id), st.backlog()))
     }
 }
 

@@ -239,21 +239,26 @@ fn round_trip(r: u64, ping: &AtomicU64, pong: &AtomicU64) -> Option<Duration> {
     let until = Instant::now() + PAIR_LIMIT;
     let mut times = Vec::with_capacity(ROUNDS as usize);
     for i in 1..=ROUNDS {
-        let word = r << 32 | i;
         let t = Instant::now();
-        ping.store(word, Ordering::Release);
-        let mut turns = 0u32;
-        while pong.load(Ordering::Acquire) != word {
-            turns = turns.wrapping_add(1);
-            if turns % 256 == 0 && Instant::now() >= until {
-                return None;
-            }
-            std::hint::spin_loop();
-        }
+        ping_pong(r << 32 | i, (ping, pong), until)?;
         times.push(t.elapsed());
     }
     times.sort_unstable();
     times.get(times.len() / 2).copied()
+}
+
+/// Pings with `word` and waits for its echo; `None` when none came before `until`.
+fn ping_pong(word: u64, (ping, pong): (&AtomicU64, &AtomicU64), until: Instant) -> Option<()> {
+    ping.store(word, Ordering::Release);
+    let mut turns = 0u32;
+    while pong.load(Ordering::Acquire) != word {
+        turns = turns.wrapping_add(1);
+        if turns % 256 == 0 && Instant::now() >= until {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
+    Some(())
 }
 
 /// Rank 0's side of the copy probe with rank `r`: the medians over [`COPY_ROUNDS`] (the first
@@ -279,16 +284,7 @@ fn time_ways(probe: &Probe<'_>, r: u64, ping: &AtomicU64, pong: &AtomicU64) -> O
         region
             .word(OFF_PROBE_ADDR)
             .store(src.as_ptr() as u64, Ordering::Relaxed);
-        let word = r << 32 | COPY_PING | k;
-        ping.store(word, Ordering::Release);
-        let mut turns = 0u32;
-        while pong.load(Ordering::Acquire) != word {
-            turns = turns.wrapping_add(1);
-            if turns % 256 == 0 && Instant::now() >= until {
-                return None;
-            }
-            std::hint::spin_loop();
-        }
+        ping_pong(r << 32 | COPY_PING | k, (ping, pong), until)?;
         if k > 0 {
             let out = region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
             slots.push(copy_in.saturating_add(out));

@@ -393,6 +393,11 @@ fn arena_direct_steps_detect_desync() {
             };
             match got {
                 Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+                // A rank that got the desync returns and exits; one whose next call runs on
+                // the network (the arena stopped) may then find it gone, promptly, by name
+                // (1 run in ~250 on two busy cores; the rank that stopped the arena itself is
+                // reported with the arena's reason instead).
+                Err(Error::PeerLost { peer, .. }) if peer != r => {}
                 other => panic!("rank {r}: expected a desync, got {other:?}"),
             }
             assert!(t.elapsed() < std::time::Duration::from_secs(5));

@@ -375,22 +375,31 @@ impl Arena {
         if !self.usable() {
             return Some(self.broken_error(op));
         }
-        let global = self.global(r);
-        if let Some(reason) = w.engine.peer_failure(global) {
-            return Some(self.lost(op, r, reason));
-        }
+        // A rank in another collective at this point (its announcement, still readable after
+        // it left: a rank that found the desync on its side may fail and exit before it ever
+        // comes here), then one that is gone.
         let at = self.current_at(r);
         let c0 = self.region.word(at).load(Ordering::Acquire);
         let c1 = self.region.word(at + 8).load(Ordering::Relaxed);
         let (w0, w1) = w.call;
         let announced = c0 & 1 << 24 != 0;
-        (announced && c0 >> 32 == w0 >> 32 && (c0, c1) != (w0, w1)).then(|| Error::Desync {
-            op,
-            rank: self.me,
-            peer: r,
-            ours: describe(w0, w1),
-            theirs: describe(c0, c1),
-        })
+        if announced && c0 >> 32 == w0 >> 32 && (c0, c1) != (w0, w1) {
+            return Some(Error::Desync {
+                op,
+                rank: self.me,
+                peer: r,
+                ours: describe(w0, w1),
+                theirs: describe(c0, c1),
+            });
+        }
+        let reason = w.engine.peer_failure(self.global(r))?;
+        // It may have broken the arena just before it left, after our look at the flag above
+        // (a rank descheduled between the two looks): its reason names the cause, the lost
+        // connection only the effect.
+        if !self.usable() {
+            return Some(self.broken_error(op));
+        }
+        Some(self.lost(op, r, reason))
     }
 
     /// Where rank `r` announces the collective it is in ([`Arena::announce`]).
@@ -507,6 +516,25 @@ impl Arena {
     /// The error of a rank that finds the arena broken by another: names the rank that broke it
     /// and, when there was one, the peer that caused it (a dead peer is a peer-lost error here
     /// too, as on the rank that saw it die).
+    /// When a collective that fell back to the network found group rank `peer` gone, and
+    /// `peer` is the rank that stopped the arena (it failed a collective there: a desync, a
+    /// timeout, and may have left since): the arena's reason, which names the cause where the
+    /// lost connection is only its effect. `None` otherwise.
+    pub(crate) fn stopped_by(&self, op: &'static str, peer: usize) -> Option<Error> {
+        if self.usable() {
+            return None;
+        }
+        let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
+        let global = self.global(peer);
+        let by = match Broken::decode(word)? {
+            Broken::PeerLost { by, .. }
+            | Broken::Timeout { by, .. }
+            | Broken::Desync { by, .. }
+            | Broken::Other { by } => by,
+        };
+        (by == global).then(|| self.broken_error(op))
+    }
+
     fn broken_error(&self, op: &'static str) -> Error {
         let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
         let rank = self.me;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::call::Fingerprint;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reduce::{ReduceOp, Reducible};
 
 pub(crate) use super::{ArenaConfig, Caches, Exchange, DEFAULT_CHUNK};
@@ -93,6 +93,10 @@ impl Arena {
         _put: &mut dyn FnMut(&mut [u8]),
         _get: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<()> {
+        match *self {}
+    }
+
+    pub(crate) fn stopped_by(&self, _op: &'static str, _peer: usize) -> Option<Error> {
         match *self {}
     }
 

@@ -97,6 +97,12 @@ pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> 
     let op = call.kind.name();
     b.ensure_arena(op, timeout)?;
     let result = with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op));
+    // A call that fell back to the network (the arena stopped) and found a rank gone which had
+    // stopped the arena itself says why that rank stopped.
+    let result = result.map_err(|e| match (&e, b.arena()) {
+        (Error::PeerLost { peer, .. }, Some(arena)) => arena.stopped_by(op, *peer).unwrap_or(e),
+        _ => e,
+    });
     if let Err(e) = &result {
         b.cancel(&call, dtype, tag, e);
     }

@@ -513,9 +513,6 @@ impl Arena {
         self.members.get(r).copied().unwrap_or(r)
     }
 
-    /// The error of a rank that finds the arena broken by another: names the rank that broke it
-    /// and, when there was one, the peer that caused it (a dead peer is a peer-lost error here
-    /// too, as on the rank that saw it die).
     /// When a collective that fell back to the network found group rank `peer` gone, and
     /// `peer` is the rank that stopped the arena (it failed a collective there: a desync, a
     /// timeout, and may have left since): the arena's reason, which names the cause where the
@@ -525,16 +522,12 @@ impl Arena {
             return None;
         }
         let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
-        let global = self.global(peer);
-        let by = match Broken::decode(word)? {
-            Broken::PeerLost { by, .. }
-            | Broken::Timeout { by, .. }
-            | Broken::Desync { by, .. }
-            | Broken::Other { by } => by,
-        };
-        (by == global).then(|| self.broken_error(op))
+        (Broken::decode(word)?.by() == self.global(peer)).then(|| self.broken_error(op))
     }
 
+    /// The error of a rank that finds the arena broken by another: names the rank that broke it
+    /// and, when there was one, the peer that caused it (a dead peer is a peer-lost error here
+    /// too, as on the rank that saw it die).
     fn broken_error(&self, op: &'static str) -> Error {
         let word = self.region.word(OFF_BROKEN).load(Ordering::Acquire);
         let rank = self.me;

@@ -16,6 +16,16 @@ impl Broken {
     const RANK_MASK: u64 = (1 << 24) - 1;
 
     /// The same word with every rank passed through `f` (global ranks to a group's).
+    /// The rank that stopped the arena.
+    pub(super) fn by(self) -> usize {
+        match self {
+            Broken::PeerLost { by, .. }
+            | Broken::Timeout { by, .. }
+            | Broken::Desync { by, .. }
+            | Broken::Other { by } => by,
+        }
+    }
+
     pub(super) fn ranks(self, f: impl Fn(usize) -> usize) -> Broken {
         match self {
             Broken::PeerLost { by, peer } => Broken::PeerLost {

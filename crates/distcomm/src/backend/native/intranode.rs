@@ -223,12 +223,13 @@ pub(super) const NEAR_DIRECT_MIN: usize = 256 << 10;
 /// the direct step: 256 KiB 20.3 against 29.5, 1 MiB 120 against 96).
 pub(super) const NEAR_REDUCE_MIN: usize = 1 << 20;
 
-/// The smallest block of a direct step in `arena`, when ranks do not outnumber cores: `min`,
-/// or more where the ranks share a core's caches or are near.
-fn direct_min(arena: &Arena, min: usize) -> usize {
+/// The smallest block of a direct step in `arena`, when ranks do not outnumber cores: `min`
+/// on cores of their own, `near` where the ranks are near, [`SHARED_CACHES_DIRECT_MIN`] where
+/// they share a core's caches (each at least `min`).
+fn direct_min(arena: &Arena, (min, near): (usize, usize)) -> usize {
     match arena.caches() {
         Caches::Apart => min,
-        Caches::Near => min.max(NEAR_DIRECT_MIN),
+        Caches::Near => min.max(near),
         Caches::Shared => min.max(SHARED_CACHES_DIRECT_MIN),
     }
 }
@@ -259,17 +260,13 @@ fn direct_reduce_worth_it<T: Reducible>(arena: &Arena, n: usize, bytes: usize) -
         && !T::WIDENS
         && arena.direct()
         && !arena.oversubscribed()
-        && bytes
-            >= match arena.caches() {
-                Caches::Near => NEAR_REDUCE_MIN,
-                _ => direct_min(arena, DIRECT_REDUCE_MIN),
-            }
+        && bytes >= direct_min(arena, (DIRECT_REDUCE_MIN, NEAR_REDUCE_MIN))
 }
 
 /// Whether `coll` moves by a direct step in `arena`.
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
     let crowded = arena.oversubscribed();
-    let direct_min = direct_min(arena, DIRECT_MIN);
+    let direct_min = direct_min(arena, (DIRECT_MIN, NEAR_DIRECT_MIN));
     let crowded_min = if crowded {
         OVERSUBSCRIBED_DIRECT_MIN
     } else {

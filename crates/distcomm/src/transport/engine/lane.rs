@@ -295,9 +295,8 @@ impl State {
         let Some((Some(src), key)) = self
             .matcher
             .find_posted(|r| r.id == id)
-            .filter(|&(_, first)| first)
-            .and_then(|(i, _)| self.matcher.posted_at(i))
-            .map(|r| (r.src, (r.ctx, r.tag)))
+            .filter(|&(_, _, first)| first)
+            .map(|(_, r, _)| (r.src, (r.ctx, r.tag)))
         else {
             return LaneTake::Declined;
         };
@@ -317,7 +316,8 @@ impl State {
         let Some(mut r) = self
             .matcher
             .find_posted(|r| r.id == id)
-            .and_then(|(i, _)| self.matcher.remove_posted(i))
+            .map(|(i, _, _)| i)
+            .and_then(|i| self.matcher.remove_posted(i))
         else {
             return LaneTake::Declined;
         };
@@ -360,26 +360,27 @@ impl State {
         let (p, seq, env) = (t.peer, t.seq, &t.env);
         let rank = self.rank;
         let at = (seq % LANE_ACKS) as usize;
-        let Some(Some(peer)) = self.peers.get_mut(p) else {
+        // Still waiting for its answer: with the refusal the engine read for it, if any.
+        let waiting = match self.peers.get_mut(p) {
+            Some(Some(peer)) => match peer.lane_waits.get(at) {
+                Some(Some(LaneWait::Caller { seq: s, nack })) if *s == seq => {
+                    let nack = *nack;
+                    let accepted =
+                        peer.link.shm.as_ref().and_then(|l| l.answered(seq)) == Some(true);
+                    if accepted || nack.is_some() {
+                        peer.lane_waits[at] = None;
+                    }
+                    (!accepted).then_some(nack)
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        // Accepted, or its word reused (which needs the answer "accepted").
+        let Some(nack) = waiting else {
             cell.complete(Ok(t.status()), buf);
             return None;
         };
-        let nack = match peer.lane_waits.get(at) {
-            Some(Some(LaneWait::Caller { seq: s, nack })) if *s == seq => *nack,
-            // Its word was reused: that needs the answer "accepted".
-            _ => {
-                cell.complete(Ok(t.status()), buf);
-                return None;
-            }
-        };
-        let accepted = peer.link.shm.as_ref().and_then(|l| l.answered(seq)) == Some(true);
-        if accepted || nack.is_some() {
-            peer.lane_waits[at] = None;
-        }
-        if accepted {
-            cell.complete(Ok(t.status()), buf);
-            return None;
-        }
         let id = id.unwrap_or_else(|| self.alloc_id());
         let mut pending = env.pending(p, t.len, cell.clone());
         pending.buf = buf;

@@ -194,8 +194,9 @@ impl Engine {
                 std::thread::yield_now();
             }
         };
-        // Not ready: every caller goes on to the general wait, which spins again; so no
-        // hand-over to the progress thread (a wake-up for nothing) here.
+        // Not ready: the callers go on to the general wait (which spins again) or are done at
+        // once (a send handed to the engine with its outcome known, a refused receive); either
+        // way no hand-over to the progress thread (a wake-up for nothing) here.
         self.spin_end(true);
         ok
     }

@@ -114,10 +114,13 @@ impl<R: Receive, M: Message> Matcher<R, M> {
             .any(|r| takes(r.source(), r.key(), src, key))
     }
 
-    /// The position of the first posted receive for which `pred` holds, and whether a message
+    /// The first posted receive for which `pred` holds, its position, and whether a message
     /// from its source with its key would go to it (it names its source, and no receive
     /// posted before it could take that message).
-    pub(crate) fn find_posted(&self, mut pred: impl FnMut(&R) -> bool) -> Option<(usize, bool)> {
+    pub(crate) fn find_posted(
+        &self,
+        mut pred: impl FnMut(&R) -> bool,
+    ) -> Option<(usize, &R, bool)> {
         let i = self.posted.iter().position(&mut pred)?;
         let r = &self.posted[i];
         let first = r.source().is_some_and(|src| {
@@ -127,12 +130,7 @@ impl<R: Receive, M: Message> Matcher<R, M> {
                 .take(i)
                 .any(|o| takes(o.source(), o.key(), src, r.key()))
         });
-        Some((i, first))
-    }
-
-    /// The posted receive at position `i` (from [`Self::find_posted`]).
-    pub(crate) fn posted_at(&self, i: usize) -> Option<&R> {
-        self.posted.get(i)
+        Some((i, r, first))
     }
 
     /// Takes out the posted receive at position `i` (from [`Self::find_posted`]).

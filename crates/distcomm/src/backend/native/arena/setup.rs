@@ -182,11 +182,6 @@ fn placement(
     let region = probe.region;
     let (ping, pong) = (region.word(OFF_PING), region.word(OFF_PONG));
     let done = region.word(OFF_DONE);
-    let words = [
-        (Caches::Apart, &b"apart"[..]),
-        (Caches::Near, b"near"),
-        (Caches::Shared, b"shared"),
-    ];
     if me == 0 {
         let measured = || {
             (1..n).fold(Caches::Shared, |group, r| {
@@ -218,19 +213,20 @@ fn placement(
             None => measured(),
         };
         done.store(1, Ordering::Release);
-        let word = words
-            .iter()
-            .find(|(c, _)| *c == caches)
-            .map_or(&b"apart"[..], |w| w.1);
+        let word: &[u8] = match caches {
+            Caches::Apart => b"apart",
+            Caches::Near => b"near",
+            Caches::Shared => b"shared",
+        };
         store.set("arena/caches", word)?;
     } else {
         answer(me as u64, probe, done);
     }
-    let said = store.get("arena/caches")?;
-    Ok(words
-        .iter()
-        .find(|(_, w)| *w == said.as_slice())
-        .map_or(Caches::Apart, |w| w.0))
+    Ok(match store.get("arena/caches")?.as_slice() {
+        b"shared" => Caches::Shared,
+        b"near" => Caches::Near,
+        _ => Caches::Apart,
+    })
 }
 
 /// Rank 0's side: the median of [`ROUNDS`] round trips with rank `r`, `None` when it did not
@@ -329,7 +325,7 @@ fn time_copies_out(probe: &Probe<'_>, dst: &mut [u8]) {
 /// Another rank's side: echoes rank 0's pings to it (reading the copy probe's bytes first when
 /// the ping asks for it) until rank 0 is done with every rank, or for `me + 1` times
 /// [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the ranks before it for at most
-/// twice [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: `false`).
+/// twice [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: apart).
 fn answer(me: u64, probe: &Probe<'_>, done: &AtomicU64) {
     let (ping, pong) = (probe.region.word(OFF_PING), probe.region.word(OFF_PONG));
     let mut dst = vec![0u8; probe.len];

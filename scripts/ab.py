@@ -45,6 +45,14 @@ def caches_now(limits):
     return "shared" if rtt < 200 else "separate" if rtt >= 250 else None
 
 
+def limits_exe():
+    """Builds ../shared/bench/limits into the temp dir; returns the path of its binary."""
+    target = os.path.join(tempfile.gettempdir(), "distcomm_limits")
+    subprocess.run(["cargo", "build", "--release", "-q", "--target-dir", target], cwd=LIMITS,
+                   check=True)
+    return os.path.join(target, "release", "limits")
+
+
 def run(exe, op, world, sizes, transport, extra=()):
     env = dict(os.environ, DISTCOMM_TRANSPORT=transport)
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
@@ -72,12 +80,7 @@ def main():
                     help="keep only pairs run in this cache mode (see above)")
     a = ap.parse_args()
     extra = shlex.split(a.bench_args)
-    limits = None
-    if a.caches:
-        target = os.path.join(tempfile.gettempdir(), "distcomm_limits")
-        subprocess.run(["cargo", "build", "--release", "-q", "--target-dir", target], cwd=LIMITS,
-                       check=True)
-        limits = os.path.join(target, "release", "limits")
+    limits = limits_exe() if a.caches else None
     rows = []
     slower = 0
     print(f"# new {a.new} / old {a.old}, transport {a.transport}, {a.reps} alternating pairs")

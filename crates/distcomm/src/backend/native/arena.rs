@@ -359,7 +359,9 @@ impl Arena {
     }
 
     /// Why waiting for rank `r` is pointless, if it is: the deadline passed, the arena broke,
-    /// `r` is gone, or `r` runs another collective as this call (a desync).
+    /// `r` is gone, or `r` runs another collective as this call (a desync). (Out of line: a
+    /// waiter looks only every 128 turns.)
+    #[inline(never)]
     fn trouble(&self, r: usize, w: &Wait<'_>) -> Option<Error> {
         let op = w.op;
         if w.waited() >= w.timeout {
@@ -578,27 +580,39 @@ impl Arena {
                 .region
                 .word(self.line(r, step) + LINE_CHAIN)
                 .load(Ordering::Relaxed);
-            if (t0, t1) != (w0, w1) {
-                return Err(Error::Desync {
-                    op,
-                    rank: self.me,
-                    peer: r,
-                    ours: describe(w0, w1),
-                    theirs: describe(t0, t1),
-                });
-            }
-            if theirs != chained {
-                let earlier = "after an earlier collective that differs between the two ranks";
-                return Err(Error::Desync {
-                    op,
-                    rank: self.me,
-                    peer: r,
-                    ours: format!("{}, {earlier}", describe(w0, w1)),
-                    theirs: format!("{}, {earlier}", describe(t0, t1)),
-                });
+            if (t0, t1) != (w0, w1) || theirs != chained {
+                return Err(self.desync(op, r, (w0, w1), (t0, t1), (t0, t1) == (w0, w1)));
             }
         }
         Ok(())
+    }
+
+    /// The error of a desync [`Arena::check_calls`] found with rank `r`: it published `theirs`
+    /// where we published `ours`, or (`same_call`) the same call after different calls before.
+    /// (Out of line: the check runs at every step, this almost never.)
+    #[cold]
+    #[inline(never)]
+    fn desync(
+        &self,
+        op: &'static str,
+        r: usize,
+        (w0, w1): (u64, u64),
+        (t0, t1): (u64, u64),
+        same_call: bool,
+    ) -> Error {
+        let (ours, theirs) = (describe(w0, w1), describe(t0, t1));
+        let earlier = ", after an earlier collective that differs between the two ranks";
+        let (ours, theirs) = match same_call {
+            false => (ours, theirs),
+            true => (ours + earlier, theirs + earlier),
+        };
+        Error::Desync {
+            op,
+            rank: self.me,
+            peer: r,
+            ours,
+            theirs,
+        }
     }
 
     /// Where the ranks run relative to rank 0, as every rank agreed at set-up.
@@ -654,8 +668,8 @@ impl Arena {
             });
         }
         // Parts of at most INLINE bytes travel in the control line (one line per peer).
-        let at = |r: usize| {
-            if sizes(r) <= INLINE {
+        let at = |r: usize, len: usize| {
+            if len <= INLINE {
                 self.line(r, step) + LINE_DATA
             } else {
                 self.slot(parity, r)
@@ -667,17 +681,19 @@ impl Arena {
             // SAFETY: our slot (or line data) of this step is written only by us, after
             // `begin` (see above); it holds `chunk` bytes (line data INLINE), offsets are
             // multiples of 8.
-            put(unsafe { self.region.view_mut::<u8>(at(self.me), mine) });
+            put(unsafe { self.region.view_mut::<u8>(at(self.me, mine), mine) });
             self.seq(self.me, step)
                 .store(2 * step + 2, Ordering::Release);
             self.wait_for(reads, step, 2 * step + 2, &w)?;
             self.check_calls(reads, s.op, step, w.call, chained)?;
             reads.ranks(self.n).try_for_each(|r| {
-                let len = sizes(r).min(self.chunk);
+                let len = sizes(r);
                 // SAFETY: the other ranks' parts of this step are only read between their
                 // publishing it and our arrival at the next step, before which nobody
                 // writes them again (`begin`).
-                get(r, unsafe { self.region.view::<u8>(at(r), len) })
+                get(r, unsafe {
+                    self.region.view::<u8>(at(r, len), len.min(self.chunk))
+                })
             })
         });
         self.end_step(step, chained, done)

@@ -96,17 +96,27 @@ pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> 
     let r = Run { b, timeout };
     let op = call.kind.name();
     b.ensure_arena(op, timeout)?;
-    let result = with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op));
+    match with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op)) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(failed(b, (&call, dtype, tag), e)),
+    }
+}
+
+/// The error of a failed call `c` (its call, element type and tag), once the call is
+/// cancelled on every member. (Out of line: every call passes here, few fail.)
+#[cold]
+#[inline(never)]
+fn failed(b: &NativeBackend, (call, dtype, tag): (&Call, DType, u32), e: Error) -> Error {
     // A call that fell back to the network (the arena stopped) and found a rank gone which had
     // stopped the arena itself says why that rank stopped.
-    let result = result.map_err(|e| match (&e, b.arena()) {
-        (Error::PeerLost { peer, .. }, Some(arena)) => arena.stopped_by(op, *peer).unwrap_or(e),
+    let e = match (&e, b.arena()) {
+        (Error::PeerLost { peer, .. }, Some(arena)) => {
+            arena.stopped_by(call.kind.name(), *peer).unwrap_or(e)
+        }
         _ => e,
-    });
-    if let Err(e) = &result {
-        b.cancel(&call, dtype, tag, e);
-    }
-    result
+    };
+    b.cancel(call, dtype, tag, &e);
+    e
 }
 
 /// One collective call running on a group's native backend, with the call's deadline.

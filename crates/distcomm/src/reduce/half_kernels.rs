@@ -106,10 +106,7 @@ mod x86 {
         while i + 8 <= n {
             // SAFETY: i + 8 <= n, so 8 elements of both slices are in bounds; the loads and
             // stores are unaligned ones; the caller guarantees F16C and AVX.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
+            unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8(src, i)) };
             i += 8;
         }
         super::f16_widen_portable(&src[i..n], &mut dst[i..n]);
@@ -124,11 +121,7 @@ mod x86 {
         let mut i = 0;
         while i + 8 <= n {
             // SAFETY: as in `f16_widen`.
-            unsafe {
-                let x = _mm256_loadu_ps(src.as_ptr().add(i));
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
-                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), h);
-            }
+            unsafe { store8(dst, i, _mm256_loadu_ps(src.as_ptr().add(i)), None) };
             i += 8;
         }
         super::f16_narrow_portable(&src[i..n], &mut dst[i..n]);
@@ -192,11 +185,14 @@ mod x86 {
         product: bool,
         div: Option<f32>,
     ) {
+        if n == 0 {
+            return;
+        }
         let len = (0..n).map(|r| src(r).len()).fold(out.len(), usize::min);
         let f = |a: f32, b: f32| if product { a * b } else { a + b };
         let finish = |x: f32| f16::from_f32(div.map_or(x, |k| x / k));
-        // SAFETY (every `load8` and `store8` below): `i + 8 <= m` for slices of `m`
-        // elements; the caller guarantees F16C and AVX.
+        // SAFETY (every `load8` and `store8` below): `i + 8` is at most the length of the
+        // slices they take (`len` or `m` elements); the caller guarantees F16C and AVX.
         if n == 2 {
             let (a, b) = (&src(0)[..len], &src(1)[..len]);
             let mut i = 0;
@@ -501,14 +497,14 @@ pub(crate) fn f16_reduce_all<'a>(
                 |s, d| unsafe { x86::f16_narrow(s, d) },
             )
         }
-        let div = (op == ReduceOp::Avg).then_some(n as f32);
         let fused = match op {
             ReduceOp::Sum | ReduceOp::Avg => Some(false),
             ReduceOp::Product => Some(true),
             // Min and max: `f32::min`/`max` treat a NaN unlike the vector instructions.
             _ => None,
         };
-        if let (Some(product), true) = (fused, n > 0) {
+        if let Some(product) = fused {
+            let div = (op == ReduceOp::Avg).then_some(n as f32);
             // SAFETY: AVX and F16C were detected.
             return unsafe { x86::f16_fused(out, n, src, product, div) };
         }
@@ -793,6 +789,39 @@ mod tests {
                     let nan = |x: u16| f16::from_bits(x).is_nan();
                     prop_assert!(same16(got[i].to_bits(), want[i].to_bits(), nan), "f16 {op:?} n {n} [{i}]");
                     prop_assert!(same16(got[i].to_bits(), portable[i].to_bits(), nan));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sources_of_different_lengths_reduce_their_common_prefix() {
+        // Every path (two sources, more, every operator) against the generic one, with the
+        // output and the sources of different lengths, tails not multiples of 8.
+        let src: Vec<Vec<f16>> = [37usize, 29, 41, 33]
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                (0..len)
+                    .map(|i| f16::from_f32((i * 7 + r) as f32 * 0.37 - 5.0))
+                    .collect()
+            })
+            .collect();
+        for n in 1..=4 {
+            for op in OPS {
+                for out_len in [23usize, 31, 45] {
+                    let mut got = vec![f16::ONE; out_len];
+                    f16_reduce_all(&mut got, n, &|r| &src[r], op);
+                    let mut want = vec![f16::ONE; out_len];
+                    reduce_all_body(
+                        &mut want,
+                        n,
+                        &|r: usize| &src[r][..],
+                        op,
+                        f16_widen_portable,
+                        f16_narrow_portable,
+                    );
+                    assert_eq!(got, want, "n {n} {op:?} out {out_len}");
                 }
             }
         }

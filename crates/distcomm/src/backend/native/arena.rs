@@ -602,9 +602,10 @@ impl Arena {
     ) -> Error {
         let (ours, theirs) = (describe(w0, w1), describe(t0, t1));
         let earlier = ", after an earlier collective that differs between the two ranks";
-        let (ours, theirs) = match same_call {
-            false => (ours, theirs),
-            true => (ours + earlier, theirs + earlier),
+        let (ours, theirs) = if same_call {
+            (ours + earlier, theirs + earlier)
+        } else {
+            (ours, theirs)
         };
         Error::Desync {
             op,

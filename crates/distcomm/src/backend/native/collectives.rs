@@ -96,17 +96,15 @@ pub(super) fn run(b: &NativeBackend, c: CollCall, coll: Coll<'_>) -> Result<()> 
     let r = Run { b, timeout };
     let op = call.kind.name();
     b.ensure_arena(op, timeout)?;
-    match with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op)) {
-        Ok(()) => Ok(()),
-        Err(e) => Err(failed(b, (&call, dtype, tag), e)),
-    }
+    with_dtype!(dtype, T => r.coll::<T>(&call, tag, turn, coll, op))
+        .map_err(|e| failed(b, &call, dtype, tag, e))
 }
 
-/// The error of a failed call `c` (its call, element type and tag), once the call is
-/// cancelled on every member. (Out of line: every call passes here, few fail.)
+/// The error `e` of a failed `call` of `dtype` elements with `tag`, once the call is cancelled
+/// on every member. (Out of line: every call passes here, few fail.)
 #[cold]
 #[inline(never)]
-fn failed(b: &NativeBackend, (call, dtype, tag): (&Call, DType, u32), e: Error) -> Error {
+fn failed(b: &NativeBackend, call: &Call, dtype: DType, tag: u32, e: Error) -> Error {
     // A call that fell back to the network (the arena stopped) and found a rank gone which had
     // stopped the arena itself says why that rank stopped.
     let e = match (&e, b.arena()) {

@@ -168,12 +168,28 @@ mod x86 {
         unsafe { _mm_storeu_si128(o.as_mut_ptr().add(i).cast(), h) };
     }
 
+    /// `a + b`, or `a * b` for a product: [`combine8`] for one element (the tails).
+    #[inline(always)]
+    fn combine1(a: f32, b: f32, product: bool) -> f32 {
+        if product {
+            a * b
+        } else {
+            a + b
+        }
+    }
+
+    /// `x`, divided by `div` when given, rounded to f16: [`store8`] for one element.
+    #[inline(always)]
+    fn finish1(x: f32, div: Option<f32>) -> f16 {
+        f16::from_f32(div.map_or(x, |k| x / k))
+    }
+
     /// The f16 sum (or product, `product`) of the `n` sources of `src`, divided by `div` when
     /// given, rounded once into `out` (the common prefix where lengths differ): element by
     /// element the operations of `super::reduce_all_body`, in the same order, so the same
     /// bits; eight elements at a time in registers instead of its passes over scratch
-    /// blocks. Two sources take one pass; more go in blocks of [`super::BLOCK`] elements, the
-    /// sum in a scratch block.
+    /// blocks. Two sources take one pass; one or more than two go in blocks
+    /// ([`f16_fused_blocks`]).
     ///
     /// # Safety
     /// The CPU must have F16C and AVX.
@@ -189,8 +205,6 @@ mod x86 {
             return;
         }
         let len = (0..n).map(|r| src(r).len()).fold(out.len(), usize::min);
-        let f = |a: f32, b: f32| if product { a * b } else { a + b };
-        let finish = |x: f32| f16::from_f32(div.map_or(x, |k| x / k));
         // SAFETY (every `load8` and `store8` below): `i + 8` is at most the length of the
         // slices they take (`len` or `m` elements); the caller guarantees F16C and AVX.
         if n == 2 {
@@ -202,14 +216,41 @@ mod x86 {
                 i += 8;
             }
             for j in i..len {
-                out[j] = finish(f(a[j].to_f32(), b[j].to_f32()));
+                out[j] = finish1(combine1(a[j].to_f32(), b[j].to_f32(), product), div);
             }
             return;
         }
-        let mut acc = [0f32; super::BLOCK];
+        // Small calls take a small scratch block (zeroing 1 KiB would cost a tiny call a tenth
+        // of its time, as in `super::reduce_all_body`).
+        // SAFETY: F16C and AVX, as the caller guarantees.
+        unsafe {
+            if len <= super::SMALL_BLOCK {
+                f16_fused_blocks::<{ super::SMALL_BLOCK }>(&mut out[..len], n, src, product, div)
+            } else {
+                f16_fused_blocks::<{ super::BLOCK }>(&mut out[..len], n, src, product, div)
+            }
+        }
+    }
+
+    /// [`f16_fused`] for other than two sources: in blocks of `B` elements, the sum in a
+    /// scratch block. `out` no longer than any source.
+    ///
+    /// # Safety
+    /// The CPU must have F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    #[inline]
+    unsafe fn f16_fused_blocks<'a, const B: usize>(
+        out: &mut [f16],
+        n: usize,
+        src: &dyn Fn(usize) -> &'a [f16],
+        product: bool,
+        div: Option<f32>,
+    ) {
+        let len = out.len();
+        let mut acc = [0f32; B];
         let mut at = 0;
         while at < len {
-            let m = super::BLOCK.min(len - at);
+            let m = B.min(len - at);
             let acc = &mut acc[..m];
             // SAFETY: F16C and AVX, as the caller guarantees.
             unsafe { f16_widen(&src(0)[at..at + m], acc) };
@@ -228,7 +269,7 @@ mod x86 {
                     i += 8;
                 }
                 for j in i..m {
-                    acc[j] = f(acc[j], s[j].to_f32());
+                    acc[j] = combine1(acc[j], s[j].to_f32(), product);
                 }
             }
             let o = &mut out[at..at + m];
@@ -239,7 +280,7 @@ mod x86 {
                 i += 8;
             }
             for j in i..m {
-                o[j] = finish(acc[j]);
+                o[j] = finish1(acc[j], div);
             }
             at += m;
         }

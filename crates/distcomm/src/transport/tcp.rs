@@ -44,9 +44,21 @@ pub(crate) fn write(
 }
 
 /// Socket buffers towards a peer on the same host, sending and receiving (0: left to the
-/// kernel's autotuning). Loopback TCP is bound by memory copies, and a small send buffer keeps
-/// the data in cache between the sender's copy in and the receiver's copy out: measured here,
-/// 64 MiB ping-pong went from ~2.9 GB/s (autotuned, several MiB) to ~4 GB/s with 128 KiB.
+/// kernel's autotuning), when ranks do not outnumber cores ([`CROWDED_LOCAL_SOCKBUF`] when they
+/// do). Loopback TCP is bound by memory copies, and a send buffer that holds a large message
+/// whole, but no more than the sender's cache, keeps the data in cache between the sender's copy
+/// in and the receiver's copy out. 128 KiB (the kernel doubles it) cut a 1 MiB message into four
+/// writes, each waiting for the receiver to drain the last; 512 KiB takes it in one.
+/// Measured on 2 ranks over TCP, 512 KiB against 128 KiB, new / old time: `distcomm bench p2p`
+/// in 6 rounds of alternating builds, ping-pong 1 MiB 0.60-0.81x (118-154 against 191-197 µs),
+/// 16 MiB 0.60-0.79x, 64 MiB 0.61-0.89x; the collectives (`scripts/ab.py`, 3 pairs) at 1 MiB /
+/// 16 MiB, all_reduce 0.76x / 0.75x, broadcast 0.78x / 0.78x, reduce 0.72x / 0.83x, gather
+/// 0.73x / 0.66x, all_to_all 0.83x / 0.84x, the others 0.81-0.93x; 8 B-64 KiB 0.97-1.02x.
+/// In the same rounds 256 KiB and 384 KiB gave less at 1 MiB (142-149 µs), 768 KiB and 1 MiB
+/// less at every size (171-186 µs at 1 MiB: the doubled buffer outgrows this machine's 1 MiB
+/// of L2 cache per core), and autotuning (several MiB) 171-183 µs at 1 MiB, with 64 MiB
+/// ping-pong no faster than 128 KiB.
+///
 /// The receive buffer stays autotuned: it starts small (`tcp_rmem`, 128 KiB), so a stream of
 /// small messages that a receiver drains slower than it comes soon fills the window, and the
 /// sender's later writes wait in its queue and leave together in one segment; a fixed 1 MiB
@@ -56,7 +68,14 @@ pub(crate) fn write(
 /// all_gather, alternating runs), since autotuning grows the buffer as the stream needs.
 /// Across a real network the bandwidth-delay product needs autotuning both ways, so remote
 /// peers keep it.
-pub const LOCAL_SOCKBUF: (usize, usize) = (128 * 1024, 0);
+pub const LOCAL_SOCKBUF: (usize, usize) = (512 * 1024, 0);
+
+/// [`LOCAL_SOCKBUF`] when ranks outnumber cores: the send buffer stays at 128 KiB there. At
+/// world 4 on 2 cores the larger one measured no better beyond the noise of four ranks taking
+/// turns on two cores (`scripts/ab.py`, 5 pairs, 512 KiB against 128 KiB: broadcast 64 KiB
+/// 1.33x (1.05-1.51), 16 MiB 0.76x (0.46-1.04), reduce and scatter 0.96-1.29x with spreads of
+/// 0.3-2.0).
+pub const CROWDED_LOCAL_SOCKBUF: (usize, usize) = (128 * 1024, 0);
 
 pub(crate) fn same_host(stream: &TcpStream) -> bool {
     match (stream.peer_addr(), stream.local_addr()) {

@@ -76,7 +76,7 @@ use crate::transport::protocol::reassembly::{Chunk, Reassembly};
 use crate::transport::protocol::refusal::{self, Expect, Sent};
 #[cfg(target_os = "linux")]
 use crate::transport::shm;
-use crate::transport::tcp::{same_host, set_buffers, LOCAL_SOCKBUF};
+use crate::transport::tcp::{same_host, set_buffers, CROWDED_LOCAL_SOCKBUF, LOCAL_SOCKBUF};
 use crate::transport::{LaneMsg, LinkKind, ShmLink, ShmWatch};
 
 mod cancel;
@@ -153,7 +153,8 @@ pub struct EngineConfig {
     /// Yield the core between spins (ranks outnumber cores: let the others run).
     pub yield_spin: bool,
     /// Socket send and receive buffer size in bytes; 0 leaves the kernel's autotuning on.
-    /// `None`: [`LOCAL_SOCKBUF`] towards peers on this host, autotuning towards others.
+    /// `None`: [`LOCAL_SOCKBUF`] towards peers on this host ([`CROWDED_LOCAL_SOCKBUF`] with
+    /// `yield_spin`), autotuning towards others.
     pub sockbuf: Option<usize>,
     /// The Data chunk size for large messages. `None`: [`DATA_CHUNK`] towards other hosts,
     /// whole messages ([`LOCAL_DATA_CHUNK`]) on this one.

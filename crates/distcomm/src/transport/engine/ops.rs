@@ -32,6 +32,7 @@ impl Engine {
                     let local = same_host(&stream) || shm_peer;
                     let sockbuf = match cfg.sockbuf {
                         Some(both) => (both, both),
+                        None if local && cfg.yield_spin => CROWDED_LOCAL_SOCKBUF,
                         None if local => LOCAL_SOCKBUF,
                         None => (0, 0),
                     };

@@ -87,7 +87,7 @@ const CTRL_STRIDE: usize = 64 * (LINES as usize + 1);
 const LINE_CHAIN: usize = 24;
 const LINE_DATA: usize = 32;
 /// Chunks this small travel inside the control line.
-const INLINE: usize = 32;
+pub(crate) const INLINE: usize = 32;
 /// A rank that finished step `s` takes its control line of step `s + AHEAD` for writing
 /// ([`Arena::claim_ahead`]).
 ///

@@ -132,10 +132,18 @@ impl NativeBackend {
     /// Sets up a subgroup's arena before its first collective (every member does it there, so
     /// all agree on it); a no-op once done. A set-up that fails leaves the group without one
     /// (its collectives take the network schedules) and returns the error.
+    #[inline]
     fn ensure_arena(&self, op: &'static str, timeout: Duration) -> Result<()> {
-        if self.arena.get().is_some() {
-            return Ok(());
+        match self.arena.get() {
+            Some(_) => Ok(()),
+            None => self.make_arena(op, timeout),
         }
+    }
+
+    /// [`ensure_arena`](Self::ensure_arena)'s first call (out of line: every collective asks).
+    #[cold]
+    #[inline(never)]
+    fn make_arena(&self, op: &'static str, timeout: Duration) -> Result<()> {
         let _one = self.arena_init.lock().unwrap_or_else(|e| e.into_inner());
         if self.arena.get().is_some() {
             return Ok(());

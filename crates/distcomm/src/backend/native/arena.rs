@@ -11,7 +11,8 @@
 //! network algorithms.
 //!
 //! all_reduce moves the buffer in chunks. Per chunk, every rank
-//! 1. copies its chunk into its own slot and raises its sequence word;
+//! 1. copies its chunk into its own slot, but for its own share of it (step 3 takes that
+//!    from the rank's buffer: nobody else reads it), and raises its sequence word;
 //! 2. waits until every rank has (barrier 1);
 //! 3. reduces its share of the chunk across all slots into the shared result (16-bit floats
 //!    stay 16-bit in the slots and are combined in f32 and rounded once, in this one pass);

@@ -139,28 +139,34 @@ impl Arena {
                 }
                 continue;
             }
+            // Our share of the chunk: we alone reduce it, and take our part of it from `chunk`
+            // itself; the others read only their shares of our slot, so ours stays out of it
+            // (a copy in of 1/n of the chunk less).
+            let (lo, hi) = (m * self.me / self.n, m * (self.me + 1) / self.n);
             // SAFETY: see above.
-            copy(
-                unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) },
-                chunk,
-            );
+            let mine = unsafe { self.region.view_mut::<T>(self.slot(parity, self.me), m) };
+            copy(&mut mine[..lo], &chunk[..lo]);
+            copy(&mut mine[hi..], &chunk[hi..]);
             self.seq(self.me, step)
                 .store(2 * step + 1, Ordering::Release);
             self.barrier(step, 2 * step + 1, w)?;
             if k == 0 {
                 self.check_calls(Reads::All, w.op, first_step, (w0, w1), chained)?;
             }
-            let (lo, hi) = (m * self.me / self.n, m * (self.me + 1) / self.n);
             if hi > lo {
                 // SAFETY: see above.
                 let out = unsafe {
                     self.region
                         .view_mut::<T>(self.result(parity) + lo * size, hi - lo)
                 };
+                let own = &chunk[lo..hi];
                 // SAFETY: see above.
-                let slot = |r: usize| unsafe {
-                    self.region
-                        .view::<T>(self.slot(parity, r) + lo * size, hi - lo)
+                let slot = |r: usize| match r == self.me {
+                    true => own,
+                    false => unsafe {
+                        self.region
+                            .view::<T>(self.slot(parity, r) + lo * size, hi - lo)
+                    },
                 };
                 T::reduce_all(out, self.n, &slot, op);
             }

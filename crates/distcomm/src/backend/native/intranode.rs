@@ -237,8 +237,20 @@ pub(super) const SHARED_CACHES_DIRECT_MIN: usize = 4 << 20;
 /// scatter 20.2 against 11.7, all_to_all 21.7 against 12.3; 1 MiB broadcast 102 against 60,
 /// gather 58 against 44, scatter 53 against 40, all_to_all 78 against 45. all_reduce keeps
 /// the slots there (64 MiB: 16.8 ms against 18.1 with direct steps); reduce see
-/// [`NEAR_REDUCE_MIN`].
+/// [`NEAR_REDUCE_MIN`]; all_gather, scatter and all_to_all see [`NEAR_SPREAD_DIRECT_MIN`].
 pub(super) const NEAR_DIRECT_MIN: usize = 256 << 10;
+/// [`NEAR_DIRECT_MIN`] of all_gather, scatter and all_to_all (every rank, or every rank but the
+/// root, copies a block of its own). Measured on another host of this kind (AMD EPYC,
+/// set-up's probe: slots 29-40 µs against 20-33 for the cross-memory copy), world 2, direct
+/// steps from 16 KiB (`DISTCOMM_SHM_SHARED_CACHES=0`) against the slots, 3 alternating rounds
+/// with a round trip under 0.2 µs, direct / slots time: blocks of 64 KiB all_gather 0.74x,
+/// scatter 0.77x, all_to_all 0.80x; of 128 KiB 0.60x, 0.51x, 0.66x; of 32 KiB the slots
+/// ahead (1.04-1.10x). This threshold against 256 KiB (`scripts/ab.py --caches shared`, two
+/// runs of 3 pairs): blocks of 64 KiB all_gather 0.26x / 0.74x, scatter 0.83x / 0.89x,
+/// all_to_all 0.91x / 0.86x; of 128 KiB 0.22x / 0.72x, 0.72x / 0.68x, 0.76x / 0.72x.
+/// Gather (64 KiB blocks 1.02x, 128 KiB 0.94x) and broadcast (64 KiB 0.84x in one
+/// measurement, 1.02x in the other) keep [`NEAR_DIRECT_MIN`].
+pub(super) const NEAR_SPREAD_DIRECT_MIN: usize = 64 << 10;
 /// Where the ranks are near, a two-rank reduce takes its direct step only from this many
 /// bytes (same measurement as [`NEAR_DIRECT_MIN`], µs, one step through the slots against
 /// the direct step: 256 KiB 20.3 against 29.5, 1 MiB 120 against 96).
@@ -287,7 +299,11 @@ fn direct_reduce_worth_it<T: Reducible>(arena: &Arena, n: usize, bytes: usize) -
 /// Whether `coll` moves by a direct step in `arena`.
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
     let crowded = arena.oversubscribed();
-    let direct_min = direct_min(arena, (DIRECT_MIN, NEAR_DIRECT_MIN));
+    let near = match coll {
+        Coll::AllGather(..) | Coll::Scatter(..) | Coll::AllToAll(..) => NEAR_SPREAD_DIRECT_MIN,
+        _ => NEAR_DIRECT_MIN,
+    };
+    let direct_min = direct_min(arena, (DIRECT_MIN, near));
     let crowded_min = if crowded {
         OVERSUBSCRIBED_DIRECT_MIN
     } else {

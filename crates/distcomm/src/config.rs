@@ -100,9 +100,35 @@ const FLAG: &str = "1 or 0 (also true/false, yes/no, on/off)";
 pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(200);
 
 /// What the byte-size variables accept.
-const BYTES: &str = "a whole number of bytes";
+const BYTES: &str = "a whole number of bytes, optionally with K, M or G (64K: 65536 bytes)";
 /// What the on/off switches whose default is on accept (any other number also means on).
 const OFF_SWITCH: &str = "0 (off) or 1 (on)";
+
+/// A size in bytes as the environment variables and `distcomm bench --sizes` take it: a whole
+/// number, with an optional binary suffix `K`, `M` or `G` (either case) or a trailing `B`;
+/// `None` for anything else, and for sizes this machine cannot address.
+///
+/// ```
+/// use distcomm::config::parse_bytes;
+/// assert_eq!(parse_bytes("64K"), Some(65536));
+/// assert_eq!(parse_bytes(" 2m "), Some(2 << 20));
+/// assert_eq!(parse_bytes("4099"), Some(4099));
+/// assert_eq!(parse_bytes("8B"), Some(8));
+/// assert_eq!(parse_bytes("1.5M"), None);
+/// assert_eq!(parse_bytes("-1"), None);
+/// ```
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, shift) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 10),
+        'M' | 'm' => (&s[..s.len() - 1], 20),
+        'G' | 'g' => (&s[..s.len() - 1], 30),
+        'B' | 'b' => (&s[..s.len() - 1], 0),
+        _ => (s, 0),
+    };
+    let n: usize = num.parse().ok()?;
+    n.checked_mul(1 << shift)
+}
 
 /// Which backend carries a group's traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,14 +280,8 @@ impl Reader<'_> {
     }
 
     fn bytes(&self, var: &'static str) -> Result<Option<usize>> {
-        match self.u64(var, BYTES)? {
-            Some(b) => usize::try_from(b).map(Some).map_err(|_| {
-                bad(
-                    var,
-                    &b.to_string(),
-                    "a whole number of bytes this machine can address",
-                )
-            }),
+        match self.raw(var) {
+            Some(v) => parse_bytes(&v).map(Some).ok_or_else(|| bad(var, &v, BYTES)),
             None => Ok(None),
         }
     }
@@ -412,6 +432,8 @@ mod tests {
             (EAGER_MAX, " 4096 "),
             (ALL_REDUCE_RING_MIN, "1"),
             (RING_CHUNK_MAX, "4099"),
+            (SHM_ARENA_CHUNK, "128K"),
+            (DATA_CHUNK, "2m"),
             (COMMS_LOG, "1"),
         ])
         .unwrap();
@@ -425,6 +447,8 @@ mod tests {
         assert_eq!(c.eager_max, Some(4096));
         assert_eq!(c.all_reduce_ring_min, Some(1));
         assert_eq!(c.ring_chunk_max, Some(4099));
+        assert_eq!(c.shm_arena_chunk, Some(128 << 10));
+        assert_eq!(c.data_chunk, Some(2 << 20));
         assert_eq!(c.shm_shared_caches, Some(true));
         let auto = with(&[(SHM_SHARED_CACHES, " Auto ")]).unwrap();
         assert_eq!(auto.shm_shared_caches, None);
@@ -460,9 +484,10 @@ mod tests {
             BROADCAST_SCATTER_MIN,
             RING_CHUNK_MAX,
         ] {
-            let (value, expected) = rejected(var, "64K");
-            assert_eq!((value.as_str(), expected), ("64K", BYTES), "{var}");
+            let (value, expected) = rejected(var, "64Q");
+            assert_eq!((value.as_str(), expected), ("64Q", BYTES), "{var}");
             let _ = rejected(var, "-1");
+            let _ = rejected(var, "99999999999G");
         }
     }
 

@@ -165,16 +165,7 @@ pub struct BenchArgs {
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s.trim_end_matches(['B', 'b']), 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mult)
-        .map_err(|_| format!("{s:?} is not a size like 8, 4K or 64M"))
+    distcomm::config::parse_bytes(s).ok_or_else(|| format!("{s:?} is not a size like 8, 4K or 64M"))
 }
 
 /// Runs `distcomm bench`: under a launcher as one of its ranks, else on `--nproc` ranks of

@@ -161,8 +161,9 @@ impl Run<'_> {
         }
         if let Some(arena) = self.arena() {
             if let Some(bytes) = super::intranode::part_bytes::<T>(&coll, call, self.size()) {
-                // Parts that travel in the control lines take the arena, by exchange steps.
-                let tiny = bytes <= INLINE;
+                // Parts that travel in the control lines take the arena, by exchange steps
+                // (which also ask them to fit a slot, however small one is configured).
+                let tiny = bytes <= INLINE.min(arena.slot_bytes());
                 let direct = !tiny && super::intranode::direct_worth_it(&coll, arena, self.size());
                 let fits = tiny || direct || super::intranode::worth_it(&coll, bytes, arena);
                 if fits && arena.usable() {

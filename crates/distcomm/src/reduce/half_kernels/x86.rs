@@ -29,14 +29,28 @@ pub(super) unsafe fn f16_widen(src: &[f16], dst: &mut [f32]) {
 #[target_feature(enable = "avx,f16c")]
 #[inline]
 pub(super) unsafe fn f16_narrow(src: &[f32], dst: &mut [f16]) {
+    // SAFETY: F16C and AVX, as the caller guarantees.
+    unsafe { narrow_div(src, dst, None) }
+}
+
+/// `src`, each divided by `div` when given, rounded to f16 into `dst` (the common prefix):
+/// [`store8`] over whole groups of eight, [`finish1`] over the tail.
+///
+/// # Safety
+/// The CPU must have F16C and AVX.
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn narrow_div(src: &[f32], dst: &mut [f16], div: Option<f32>) {
     let n = src.len().min(dst.len());
     let mut i = 0;
     while i + 8 <= n {
         // SAFETY: as in `f16_widen`.
-        unsafe { store8(dst, i, _mm256_loadu_ps(src.as_ptr().add(i)), None) };
+        unsafe { store8(dst, i, _mm256_loadu_ps(src.as_ptr().add(i)), div) };
         i += 8;
     }
-    super::f16_narrow_portable(&src[i..n], &mut dst[i..n]);
+    for j in i..n {
+        dst[j] = finish1(src[j], div);
+    }
 }
 
 /// `a + b`, or `a * b` for a product: what `f32`'s operators give, lane by lane.
@@ -181,16 +195,8 @@ unsafe fn f16_fused_blocks<'a, const B: usize>(
                 acc[j] = combine1(acc[j], s[j].to_f32(), product);
             }
         }
-        let o = &mut out[at..at + m];
-        let mut i = 0;
-        while i + 8 <= m {
-            // SAFETY: as above.
-            unsafe { store8(o, i, _mm256_loadu_ps(acc.as_ptr().add(i)), div) };
-            i += 8;
-        }
-        for j in i..m {
-            o[j] = finish1(acc[j], div);
-        }
+        // SAFETY: F16C and AVX, as the caller guarantees.
+        unsafe { narrow_div(acc, &mut out[at..at + m], div) };
         at += m;
     }
 }

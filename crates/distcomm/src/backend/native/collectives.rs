@@ -18,7 +18,7 @@ use std::mem::{size_of, size_of_val};
 use std::ops::Deref;
 use std::time::Duration;
 
-use super::arena::{Arena, INLINE};
+use super::arena::Arena;
 use super::NativeBackend;
 use crate::algorithms::{self as alg, Schedule, Space, Step};
 use crate::backend::{typed, typed_mut, with_dtype, Coll, CollCall, CTX_COLL};
@@ -161,12 +161,8 @@ impl Run<'_> {
         }
         if let Some(arena) = self.arena() {
             if let Some(bytes) = super::intranode::part_bytes::<T>(&coll, call, self.size()) {
-                // Parts that travel in the control lines take the arena, by exchange steps
-                // (which also ask them to fit a slot, however small one is configured).
-                let tiny = bytes <= INLINE.min(arena.slot_bytes());
-                let direct = !tiny && super::intranode::direct_worth_it(&coll, arena, self.size());
-                let fits = tiny || direct || super::intranode::worth_it(&coll, bytes, arena);
-                if fits && arena.usable() {
+                let way = super::intranode::arena_way(&coll, bytes, arena, self.size());
+                if let Some(direct) = way.filter(|_| arena.usable()) {
                     // Every rank enters the arena in issue order: wait until every earlier
                     // collective of the group has started, and hold the turn until this one
                     // ends.

@@ -290,6 +290,11 @@ fn arena_collectives(g: &ProcessGroup) {
         let mut b: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
         g.broadcast(&mut b, n - 1).unwrap();
         assert!(b.iter().enumerate().all(|(i, &x)| x == pat(n - 1, i)));
+        // Beyond 2 MiB: one direct step on cores of their own, pieces through the slots where
+        // the ranks share caches.
+        let mut big: Vec<u8> = (0..(3 << 20) + 13).map(|i| pat(r + 1, i)).collect();
+        g.broadcast(&mut big, 0).unwrap();
+        assert!(big.iter().enumerate().all(|(i, &x)| x == pat(1, i)), "big");
         let mine: Vec<u8> = (0..len).map(|i| pat(r, i)).collect();
         let mut all = vec![0u8; n * len];
         g.all_gather(&mine, &mut all).unwrap();

@@ -158,9 +158,16 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// same kind gave 0.92-1.22 for 32 KiB blocks, 0.70-0.78 for 128 KiB, 0.44-0.91 for 512 KiB.
 /// When ranks outnumber cores, scatter from [`OVERSUBSCRIBED_SCATTER_MIN`].
 pub(in crate::backend::native) const DIRECT_MIN: usize = 16 << 10;
-/// A broadcast takes direct steps up to this size: beyond, the root copying pieces in while the
-/// readers copy the previous ones out (both cores at work) moves more than one cross-memory copy
-/// (world 2, 3 pairs: 1 MiB 0.55 the slots' time, 2 MiB 0.93, 4 MiB 1.26, 16 MiB 1.39).
+/// Where the ranks are near or share a core's caches, a broadcast takes direct steps up to
+/// this size: beyond, the root copying pieces in while the readers copy the previous ones out
+/// (both cores at work) moves more than one cross-memory copy. Measured on such a pair (world
+/// 2, 3 rounds gated on a round trip under 0.2 µs, µs, slots against direct): 4 MiB 154
+/// against 238, 16 MiB 560 against 1097, 64 MiB 4924 against 6489 (an earlier host: 1 MiB
+/// 0.55 the slots' time, 2 MiB 0.93, 4 MiB 1.26, 16 MiB 1.39). Ranks apart take direct steps
+/// at every size: there the slots' lines cross between the cores' caches one by one (this
+/// host, a round trip of 340-470 ns: 2.5 MiB 1010-1107 µs through the slots, 4 MiB
+/// 1415-1663, 8 MiB 2188-2646, against 4 MiB 241 and 16 MiB 1155 direct, Open MPI's 16 MiB
+/// 2313-2888).
 pub(in crate::backend::native) const DIRECT_BROADCAST_MAX: usize = 2 << 20;
 /// When ranks outnumber cores, gather and all_to_all take direct steps only from blocks this
 /// large (world 4 on 2 cores: all_to_all 256 KiB blocks 1.45 the slots' time, 4 MiB 0.66; gather
@@ -234,6 +241,12 @@ fn direct_min(arena: &Arena, (min, near): (usize, usize)) -> usize {
     }
 }
 
+/// Whether a broadcast of `bytes` may take a direct step in `arena` (see
+/// [`DIRECT_BROADCAST_MAX`]).
+fn broadcast_direct_fits(arena: &Arena, bytes: usize) -> bool {
+    arena.caches() == Caches::Apart || bytes <= DIRECT_BROADCAST_MAX
+}
+
 /// Whether an all_reduce of `bytes` takes the direct steps in `arena`.
 pub(in crate::backend::native) fn direct_all_reduce_worth_it(arena: &Arena, bytes: usize) -> bool {
     arena.direct()
@@ -278,7 +291,7 @@ pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool 
         direct_min
     };
     let (block, min) = match coll {
-        Coll::Broadcast(buf, _) if !crowded && buf.len() <= DIRECT_BROADCAST_MAX => {
+        Coll::Broadcast(buf, _) if !crowded && broadcast_direct_fits(arena, buf.len()) => {
             (buf.len(), direct_min)
         }
         Coll::AllGather(input, _) if !crowded => (input.len(), direct_min),

@@ -188,8 +188,13 @@ pub(in crate::backend::native) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 1
 /// against 1108-1159, 16 MiB 5250-5323 against 4748-4902, 24 MiB 7584-8517 against 7992-8821,
 /// 32 MiB 10942-11435 against 11469-11916, 48 MiB 15111-16615 against 17317-17850, 64 MiB
 /// 20576-21405 against 22768-23330. (An earlier session measured it ahead from 2 MiB: the
-/// machine's two vCPUs had other placements then.)
-pub(in crate::backend::native) const DIRECT_ALL_REDUCE_MIN: usize = 32 << 20;
+/// machine's two vCPUs had other placements then.) On an AMD EPYC host whose apart placement
+/// moves the slots' lines at 2.5 GB/s (a round trip of 340-470 ns; 3 rounds gated on it, direct
+/// / slots time): 1 MiB 1.04x, 4 MiB 1.08x, 16 MiB 0.87x (0.85-0.91; 6.8 ms against 7.9),
+/// 64 MiB 0.78x; Open MPI's ring took 4.2-5.9 ms at 16 MiB there. Of the direct steps' 6.8 ms,
+/// the second (a cross-memory copy of 8 MiB the other rank just wrote) took 2.5-2.8 ms, where
+/// 16 MiB it had not written (a gather) take 0.8.
+pub(in crate::backend::native) const DIRECT_ALL_REDUCE_MIN: usize = 16 << 20;
 
 /// Where the ranks share a core's caches ([`Caches::Shared`]), direct steps (gather,
 /// scatter, all_gather, all_to_all, a two-rank reduce) only from blocks this large, so

@@ -102,15 +102,16 @@ fn arena_root_running_ahead_reuses_no_line_too_early() {
     );
 }
 
-/// Large all_reduces (from 32 MiB, ranks not outnumbering cores: world 2 here) take two direct
-/// steps, reduces on two ranks one: every element type's result as the slots give it (integer
-/// averages, 16-bit floats rounded once), lengths that do not divide among the ranks, a reduce
-/// leaves the other ranks' buffers as they were, and an operator that differs between ranks
-/// is a desync on every rank, not a hang or a wrong result.
+/// Large all_reduces of ranks on cores of their own (world 2 here: not outnumbering the cores)
+/// move through the slots with non-temporal stores, reduces on two ranks take a direct step:
+/// every element type's result as elsewhere (integer averages, 16-bit floats rounded once),
+/// lengths that do not divide among the ranks, a reduce leaves the other ranks' buffers as
+/// they were, and an operator that differs between ranks is a desync on every rank, not a
+/// hang or a wrong result.
 #[test]
-fn arena_direct_all_reduce() {
+fn arena_large_all_reduce_on_own_cores() {
     run_native_env(
-        "arena_direct_all_reduce",
+        "arena_large_all_reduce_on_own_cores",
         &[2, 3],
         &[ON_OWN_CORES],
         |g: &ProcessGroup| {

@@ -254,53 +254,6 @@ impl Run<'_> {
         done
     }
 
-    /// all_reduce by two direct steps of `arena` (`s`: the call): every rank reads its share
-    /// (`chunks(len, n)[me]`) of every other rank's buffer across processes, piece by piece,
-    /// and combines them in rank order into its own buffer; then reads every other rank's
-    /// reduced share into its buffer. Two cross-memory copies of (n − 1)/n of the buffer and
-    /// one pass of reduction per rank, against the slots' copy in, reduction and copy out of
-    /// all of it. A rank only ever writes its own buffer, and only where no other rank reads
-    /// in that step: its share in the first, the others' in the second (each step ends once
-    /// every reader is done). 16-bit floats combine in f32 and round once, as everywhere.
-    pub(super) fn direct_all_reduce<T: Reducible>(
-        &self,
-        arena: &Arena,
-        s: &Exchange<'_>,
-        buf: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let (n, me, name) = (self.size(), self.rank, s.op);
-        let size = size_of::<T>();
-        let shares = crate::algorithms::chunks(buf.len(), n);
-        let whole = Published::of(bytemuck::cast_slice(buf));
-        let piece = reduce_piece::<T>(n);
-        let mut scratch: Vec<T> = self.pool.take_len(n * piece);
-        let mine = shares[me].clone();
-        let mut reduce_share = |parts: &[Option<Remote>]| {
-            reduce_from(
-                parts,
-                (&mut *buf, mine.clone()),
-                (&mut scratch, piece),
-                (op, name),
-            )
-        };
-        let all = (Reads::All, Reads::All);
-        let done = arena.exchange_direct_all(s, all, whole, &mut reduce_share);
-        self.pool.give(scratch);
-        done?;
-        let mut gather_shares = |parts: &[Option<Remote>]| {
-            for (r, part) in parts.iter().enumerate() {
-                if let Some(part) = part {
-                    let share = shares[r].clone();
-                    let dst = bytemuck::cast_slice_mut(&mut buf[share.clone()]);
-                    part.read(name, share.start * size, dst)?;
-                }
-            }
-            Ok(())
-        };
-        arena.exchange_direct_all(s, all, whole, &mut gather_shares)
-    }
-
     /// Runs `coll` through the arena (its part fits: see [`part_bytes`]; with `direct`, as one
     /// direct step: see [`direct_worth_it`]), in the call's turn.
     pub(super) fn through_arena<T: Reducible>(

@@ -179,23 +179,6 @@ pub(in crate::backend::native) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
 /// [`OVERSUBSCRIBED_DIRECT_MIN`]; smaller blocks were not measured there).
 pub(in crate::backend::native) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
 
-/// all_reduce takes two direct steps (see
-/// [`Run::direct_all_reduce`](super::super::collectives::Run::direct_all_reduce)) from this
-/// many bytes on,
-/// when ranks do not outnumber cores (nor share a core's caches). Measured on 2 ranks on cores
-/// of their own (a cache line's round trip 410-570 ns), `DISTCOMM_SHM_SHARED_CACHES=0` against
-/// `=1` (the slots), 3 alternating pairs (µs): 2 MiB 654-672 against 557-575, 4 MiB 1308-1373
-/// against 1108-1159, 16 MiB 5250-5323 against 4748-4902, 24 MiB 7584-8517 against 7992-8821,
-/// 32 MiB 10942-11435 against 11469-11916, 48 MiB 15111-16615 against 17317-17850, 64 MiB
-/// 20576-21405 against 22768-23330. (An earlier session measured it ahead from 2 MiB: the
-/// machine's two vCPUs had other placements then.) On an AMD EPYC host whose apart placement
-/// moves the slots' lines at 2.5 GB/s (a round trip of 340-470 ns; 3 rounds gated on it, direct
-/// / slots time): 1 MiB 1.04x, 4 MiB 1.08x, 16 MiB 0.87x (0.85-0.91; 6.8 ms against 7.9),
-/// 64 MiB 0.78x; Open MPI's ring took 4.2-5.9 ms at 16 MiB there. Of the direct steps' 6.8 ms,
-/// the second (a cross-memory copy of 8 MiB the other rank just wrote) took 2.5-2.8 ms, where
-/// 16 MiB it had not written (a gather) take 0.8.
-pub(in crate::backend::native) const DIRECT_ALL_REDUCE_MIN: usize = 16 << 20;
-
 /// Where the ranks share a core's caches ([`Caches::Shared`]), direct steps (gather,
 /// scatter, all_gather, all_to_all, a two-rank reduce) only from blocks this large, so
 /// broadcast (direct only up to [`DIRECT_BROADCAST_MAX`]) and all_reduce never: the slots'
@@ -216,19 +199,23 @@ pub(in crate::backend::native) const SHARED_CACHES_DIRECT_MIN: usize = 4 << 20;
 /// scatter 20.2 against 11.7, all_to_all 21.7 against 12.3; 1 MiB broadcast 102 against 60,
 /// gather 58 against 44, scatter 53 against 40, all_to_all 78 against 45. all_reduce keeps
 /// the slots there (64 MiB: 16.8 ms against 18.1 with direct steps); reduce see
-/// [`NEAR_REDUCE_MIN`]; all_gather, scatter and all_to_all see [`NEAR_SPREAD_DIRECT_MIN`].
+/// [`NEAR_REDUCE_MIN`]; all_gather, scatter, all_to_all and broadcast see
+/// [`NEAR_SPREAD_DIRECT_MIN`].
 pub(in crate::backend::native) const NEAR_DIRECT_MIN: usize = 256 << 10;
-/// [`NEAR_DIRECT_MIN`] of all_gather, scatter and all_to_all (every rank, or every rank but the
-/// root, copies a block of its own). Measured on another host of this kind (AMD EPYC,
-/// set-up's probe: slots 29-40 µs against 20-33 for the cross-memory copy), world 2, direct
-/// steps from 16 KiB (`DISTCOMM_SHM_SHARED_CACHES=0`) against the slots, 3 alternating rounds
-/// with a round trip under 0.2 µs, direct / slots time: blocks of 64 KiB all_gather 0.74x,
+/// [`NEAR_DIRECT_MIN`] of all_gather, scatter, all_to_all and broadcast (every rank, or every
+/// rank but the root, copies a block of its own, or the root's whole buffer). Measured on
+/// another host of this kind (AMD EPYC, set-up's probe: slots 29-40 µs against 20-33 for the
+/// cross-memory copy), world 2, direct steps from 16 KiB (`DISTCOMM_SHM_SHARED_CACHES=0`)
+/// against the slots, 3 alternating rounds with a round trip under 0.2 µs, direct / slots
+/// time: blocks of 64 KiB all_gather 0.74x,
 /// scatter 0.77x, all_to_all 0.80x; of 128 KiB 0.60x, 0.51x, 0.66x; of 32 KiB the slots
 /// ahead (1.04-1.10x). This threshold against 256 KiB (`scripts/ab.py --caches shared`, two
 /// runs of 3 pairs): blocks of 64 KiB all_gather 0.26x / 0.74x, scatter 0.83x / 0.89x,
 /// all_to_all 0.91x / 0.86x; of 128 KiB 0.22x / 0.72x, 0.72x / 0.68x, 0.76x / 0.72x.
-/// Gather (64 KiB blocks 1.02x, 128 KiB 0.94x) and broadcast (64 KiB 0.84x in one
-/// measurement, 1.02x in the other) keep [`NEAR_DIRECT_MIN`].
+/// Broadcast too: 64 KiB 0.84x in one measurement, 1.02x in another, then (set-up's probe:
+/// slots 31-32 µs against 23-24, 4 rounds gated on a round trip under 0.2 µs, direct /
+/// slots time) 64 KiB 0.84x (0.84-0.85; 6.4 µs against 7.7), 128 KiB 0.72x. Gather keeps
+/// [`NEAR_DIRECT_MIN`]: 64 KiB blocks 1.02x, 128 KiB 0.94x, then 1.37x and 1.12x.
 pub(in crate::backend::native) const NEAR_SPREAD_DIRECT_MIN: usize = 64 << 10;
 /// Where the ranks are near, a two-rank reduce takes its direct step only from this many
 /// bytes (same measurement as [`NEAR_DIRECT_MIN`], µs, one step through the slots against
@@ -250,14 +237,6 @@ fn direct_min(arena: &Arena, (min, near): (usize, usize)) -> usize {
 /// [`DIRECT_BROADCAST_MAX`]).
 fn broadcast_direct_fits(arena: &Arena, bytes: usize) -> bool {
     arena.caches() == Caches::Apart || bytes <= DIRECT_BROADCAST_MAX
-}
-
-/// Whether an all_reduce of `bytes` takes the direct steps in `arena`.
-pub(in crate::backend::native) fn direct_all_reduce_worth_it(arena: &Arena, bytes: usize) -> bool {
-    arena.direct()
-        && !arena.oversubscribed()
-        && arena.caches() == Caches::Apart
-        && bytes >= DIRECT_ALL_REDUCE_MIN
 }
 
 /// A reduce on two ranks takes a direct step (see
@@ -286,7 +265,9 @@ pub(super) fn direct_reduce_worth_it<T: Reducible>(arena: &Arena, n: usize, byte
 pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool {
     let crowded = arena.oversubscribed();
     let near = match coll {
-        Coll::AllGather(..) | Coll::Scatter(..) | Coll::AllToAll(..) => NEAR_SPREAD_DIRECT_MIN,
+        Coll::AllGather(..) | Coll::Scatter(..) | Coll::AllToAll(..) | Coll::Broadcast(..) => {
+            NEAR_SPREAD_DIRECT_MIN
+        }
         _ => NEAR_DIRECT_MIN,
     };
     let direct_min = direct_min(arena, (DIRECT_MIN, near));

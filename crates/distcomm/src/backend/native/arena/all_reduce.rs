@@ -52,16 +52,22 @@ impl Arena {
         let first_step = self.step.load(Ordering::Acquire);
         let size = std::mem::size_of::<T>();
         // Four chunks at least (copies in, reductions and copies out of neighbouring chunks
-        // overlap across ranks), each between 64 KiB and a slot. Measured on 2 ranks: 1 MiB
-        // all_reduce 218 µs in 256 KiB chunks vs 250 µs in one; 64 MiB 2.35 GB/s busbw in
-        // 2 MiB chunks vs 1.8 in 256 KiB ones.
+        // overlap across ranks), each between 64 KiB and a slot. Measured on 2 ranks on an
+        // earlier host: 1 MiB all_reduce 218 µs in 256 KiB chunks vs 250 µs in one; 64 MiB
+        // 2.35 GB/s busbw in 2 MiB chunks vs 1.8 in 256 KiB ones.
         // (`max` then `min`: a slot smaller than 64 KiB, as DISTCOMM_SHM_ARENA_CHUNK may ask.)
-        // Crowded small worlds take one chunk up to `CROWDED_ONE_CHUNK_MAX` (see there).
+        // Crowded small worlds take one chunk up to `CROWDED_ONE_CHUNK_MAX` (see there), and
+        // so do two ranks on cores of their own up to a slot: measured on an AMD EPYC host,
+        // one chunk against four (4 rounds each, gated on the placement, µs), ranks near:
+        // 256 KiB 34 against 42, 512 KiB 50 against 83, 1 MiB 97 against 124, 1.5 MiB 143
+        // against 154, 2 MiB 198 against 194; apart (non-temporal stores): 128 KiB 23 against
+        // 25, 256 KiB 43 against 50, 1 MiB 152 against 168, 2 MiB 300 against 475. (Larger
+        // worlds on cores of their own were not measured: the host has 2 cores.)
         let bytes = std::mem::size_of_val(buf);
         let crowded_whole = self.oversubscribed
             && self.n <= CROWDED_ONE_CHUNK_RANKS
             && bytes <= CROWDED_ONE_CHUNK_MAX;
-        let chunk_bytes = if crowded_whole {
+        let chunk_bytes = if crowded_whole || (self.n == 2 && !self.oversubscribed) {
             bytes
         } else {
             (bytes / 4).max(64 << 10)

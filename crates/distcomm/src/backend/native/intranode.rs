@@ -20,7 +20,7 @@ use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::{Call, CallKind};
 use crate::commslog::count_sent;
-use crate::copy::{copy, copy_bytes};
+use crate::copy::{copy, copy_bytes, copy_bytes_streaming};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 
@@ -355,10 +355,15 @@ impl Run<'_> {
                 for c in pieces(k, arena.slot_bytes() / n.max(1)) {
                     let len = c.len();
                     let block = |q: usize| q * k + c.start..q * k + c.end;
+                    let stream = stream_all_to_all(arena, len);
                     // Our own block stays out (the caller copied it already).
                     let mut put = |p: &mut [u8]| {
                         for q in (0..n).filter(|&q| q != me) {
-                            copy_bytes(&mut p[q * len..(q + 1) * len], &input[block(q)]);
+                            let (dst, src) = (&mut p[q * len..(q + 1) * len], &input[block(q)]);
+                            match stream {
+                                true => copy_bytes_streaming(dst, src),
+                                false => copy_bytes(dst, src),
+                            }
                         }
                     };
                     let mut get = |r: usize, part: &[u8]| {

@@ -149,6 +149,21 @@ fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
 /// 4 MiB: arena 2.6-3.4 ms, network 3.4-3.5).
 pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 
+/// Whether all_to_all writes its blocks of `len` bytes into the slots with non-temporal stores
+/// (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where ranks outnumber the cores
+/// (each slot is read by ranks on every core, and an ordinary store must first take each line
+/// back from the caches of the last ones) or are apart. Measured on 2 cores in alternating
+/// runs (µs, non-temporal against ordinary stores), world 8: blocks of 32 KiB 114-144 against
+/// 291-295, 128 KiB 352-418 against 1147-1155, 512 KiB 1400-1463 against 4018-4721 (Open MPI
+/// 470-590 at 128 KiB); world 4, the two vCPUs apart: 64 KiB 39-54 against 125-141, 256 KiB
+/// 143-211 against 555-559; near: 64 KiB 54 against 36, 256 KiB 142 against 139.
+pub(super) fn stream_all_to_all(arena: &Arena, len: usize) -> bool {
+    (arena.oversubscribed() || arena.caches() == Caches::Apart) && len >= STREAM_BLOCK_MIN
+}
+
+/// See [`stream_all_to_all`]: smaller blocks were not measured.
+const STREAM_BLOCK_MIN: usize = 32 << 10;
+
 /// Gather, scatter, all_gather, even all_to_all and broadcast move by direct steps (one
 /// cross-memory copy, see `arena/direct.rs`) where the arena takes them and each block a rank
 /// copies has at least this many bytes; below, the slots' two copies cost less than the system

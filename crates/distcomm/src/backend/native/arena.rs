@@ -632,6 +632,17 @@ impl Arena {
         self.oversubscribed
     }
 
+    /// Whether large copies into the slots, and reductions into the result, bypass the caches
+    /// (non-temporal stores, `copy::copy_bytes_streaming`): where the ranks are apart, or
+    /// outnumber the cores (so that some read from another core, and where is not known: see
+    /// `setup`). Each line there was read last by other ranks; where they run on another core
+    /// that shares no cache with ours, an ordinary store must first take the line back from
+    /// it, which costs more than the copy. See `all_reduce::STREAM_PIECE` and
+    /// `intranode::stream_all_to_all` for what was measured.
+    pub(crate) fn streams(&self) -> bool {
+        self.oversubscribed || self.caches == Caches::Apart
+    }
+
     /// Bytes a rank can put into the arena in one [`exchange`](Self::exchange).
     pub(crate) fn slot_bytes(&self) -> usize {
         self.chunk

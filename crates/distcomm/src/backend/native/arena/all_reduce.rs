@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{Arena, Caches, Exchange, Reads, Wait, INLINE, LINE_DATA};
+use super::{Arena, Exchange, Reads, Wait, INLINE, LINE_DATA};
 use crate::copy::{copy, copy_bytes_streaming};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
@@ -26,13 +26,21 @@ const CROWDED_ONE_CHUNK_RANKS: usize = 4;
 /// small chunk cost less than a second barrier).
 const SMALL: usize = 16 << 10;
 
-/// Where the ranks are apart (no cache shared, [`Caches::Apart`]) and do not outnumber the
-/// cores, larger chunks go into the slots, and their reductions into the result, with
+/// Where the arena streams ([`Arena::streams`]: ranks apart, or outnumbering the cores),
+/// chunks larger than [`SMALL`] go into the slots, and their reductions into the result, with
 /// non-temporal stores ([`copy_bytes_streaming`]); a reduction combines pieces of this many
 /// bytes in this core's cache first. Every line of a slot or of the result was read last by
-/// another rank; an ordinary store must take it back from that core's cache first, and there
-/// that costs more than the copy: world 2, 16 MiB, 8 MiB copied in took 2.5-3.0 ms and the
-/// reduction of 8 MiB 3.7-3.8 ms (copy out, 16 MiB read, 0.8 ms).
+/// another rank; an ordinary store must take it back from that core's cache first, and where
+/// the cores share no cache that costs more than the copy: world 2 apart, 16 MiB, 8 MiB
+/// copied in took 2.5-3.0 ms and the reduction of 8 MiB 3.7-3.8 ms (copy out, 16 MiB read,
+/// 0.8 ms). Measured in alternating runs (µs, streaming against ordinary stores), world 2
+/// apart: 1 MiB 167 against 525, 4 MiB 600 against 2000, 16 MiB 2.8 ms against 8.1, 64 MiB
+/// 15.2 ms against 34.7 (the slots near: 16 MiB 3.5-3.9 ms against 2.4-2.5, so not there).
+/// On 2 cores, worlds 3 / 4 / 8, the vCPUs apart: 1 MiB 245 / 276 / 620 against 690-730 /
+/// 825-850 / 1570-1640, 16 MiB 5.6 / 6.3 / 14.6 ms against 11.4-11.9 / 12.1-12.5 /
+/// 18.4-20.3; near: world 3 256 KiB 64 against 57, 1 MiB 239 against 185, 4 MiB 1020
+/// against 806, world 8 1 MiB 632 against 1552 (Open MPI: world 3 1 MiB 1.4 ms, world 8
+/// 0.9 ms).
 const STREAM_PIECE: usize = 16 << 10;
 
 impl Arena {
@@ -104,7 +112,7 @@ impl Arena {
         // barrier of the chunk before, a full one.
         let first_bytes = size * per_chunk.min(buf.len());
         self.begin(first_step, first_bytes > INLINE, w)?;
-        let stream = self.caches == Caches::Apart && !self.oversubscribed;
+        let stream = self.streams();
         let mut scratch: Vec<T> = match stream && first_bytes > SMALL {
             true => vec![T::zeroed(); (STREAM_PIECE / size).max(1)],
             false => Vec::new(),

@@ -158,7 +158,7 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// 470-590 at 128 KiB); world 4, the two vCPUs apart: 64 KiB 39-54 against 125-141, 256 KiB
 /// 143-211 against 555-559; near: 64 KiB 54 against 36, 256 KiB 142 against 139.
 pub(super) fn stream_all_to_all(arena: &Arena, len: usize) -> bool {
-    (arena.oversubscribed() || arena.caches() == Caches::Apart) && len >= STREAM_BLOCK_MIN
+    arena.streams() && len >= STREAM_BLOCK_MIN
 }
 
 /// See [`stream_all_to_all`]: smaller blocks were not measured.

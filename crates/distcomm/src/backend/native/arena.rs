@@ -638,7 +638,7 @@ impl Arena {
     /// `setup`). Each line there was read last by other ranks; where they run on another core
     /// that shares no cache with ours, an ordinary store must first take the line back from
     /// it, which costs more than the copy. See `all_reduce::STREAM_PIECE` and
-    /// `intranode::stream_all_to_all` for what was measured.
+    /// `intranode::stream_part` for what was measured.
     pub(crate) fn streams(&self) -> bool {
         self.oversubscribed || self.caches == Caches::Apart
     }

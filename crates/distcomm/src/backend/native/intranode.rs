@@ -153,6 +153,15 @@ fn chunked_reduce<T: Reducible>(
     Ok(())
 }
 
+/// Copies `src` into (a block of) this rank's part of an exchange step of `arena`: with
+/// non-temporal stores where [`stream_part`] says so.
+fn put_part(arena: &Arena, dst: &mut [u8], src: &[u8]) {
+    match stream_part(arena, src.len()) {
+        true => copy_bytes_streaming(dst, src),
+        false => copy_bytes(dst, src),
+    }
+}
+
 /// Elements of a piece of [`reduce_from`] on `n` ranks: 32-128 KiB per rank, 256 KiB of
 /// scratch in all at most, so that it stays in the cache between the copies and the reduction
 /// (128 KiB pieces on 2 ranks: 16 MiB all_reduce 4271-5522 µs against 4505-6466 in 32 KiB
@@ -286,7 +295,7 @@ impl Run<'_> {
                     let sizes = |r: usize| if r == root { len } else { 0 };
                     let buf = &mut buf[c];
                     if me == root {
-                        let mut put = |part: &mut [u8]| copy_bytes(part, buf);
+                        let mut put = |part: &mut [u8]| put_part(arena, part, buf);
                         arena.exchange(&s, Reads::Nobody, &sizes, &mut put, &mut |_, _| Ok(()))?;
                     } else {
                         let mut get = |r: usize, part: &[u8]| {
@@ -311,7 +320,7 @@ impl Run<'_> {
                         }
                         Ok(())
                     };
-                    let mut put = |part: &mut [u8]| copy_bytes(part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()]);
                     arena.exchange(&s, Reads::All, &|_| len, &mut put, &mut get)?;
                 }
                 Ok(())
@@ -320,7 +329,7 @@ impl Run<'_> {
                 count_sent(input.len());
                 for c in pieces(input.len(), arena.slot_bytes()) {
                     let len = c.len();
-                    let mut put = |part: &mut [u8]| copy_bytes(part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()]);
                     arena.exchange(&s, Reads::Nobody, &|_| len, &mut put, &mut |_, _| Ok(()))?;
                 }
                 Ok(())
@@ -337,7 +346,7 @@ impl Run<'_> {
                 let mut put = |part: &mut [u8]| {
                     if let Some(input) = input {
                         count_sent(input.len());
-                        copy_bytes(part, input);
+                        put_part(arena, part, input);
                     }
                 };
                 let reads = if me == root {
@@ -355,15 +364,10 @@ impl Run<'_> {
                 for c in pieces(k, arena.slot_bytes() / n.max(1)) {
                     let len = c.len();
                     let block = |q: usize| q * k + c.start..q * k + c.end;
-                    let stream = stream_all_to_all(arena, len);
                     // Our own block stays out (the caller copied it already).
                     let mut put = |p: &mut [u8]| {
                         for q in (0..n).filter(|&q| q != me) {
-                            let (dst, src) = (&mut p[q * len..(q + 1) * len], &input[block(q)]);
-                            match stream {
-                                true => copy_bytes_streaming(dst, src),
-                                false => copy_bytes(dst, src),
-                            }
+                            put_part(arena, &mut p[q * len..(q + 1) * len], &input[block(q)]);
                         }
                     };
                     let mut get = |r: usize, part: &[u8]| {

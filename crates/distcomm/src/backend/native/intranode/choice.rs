@@ -149,19 +149,26 @@ fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
 /// 4 MiB: arena 2.6-3.4 ms, network 3.4-3.5).
 pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 
-/// Whether all_to_all writes its blocks of `len` bytes into the slots with non-temporal stores
-/// (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where ranks outnumber the cores
-/// (each slot is read by ranks on every core, and an ordinary store must first take each line
-/// back from the caches of the last ones) or are apart. Measured on 2 cores in alternating
-/// runs (µs, non-temporal against ordinary stores), world 8: blocks of 32 KiB 114-144 against
-/// 291-295, 128 KiB 352-418 against 1147-1155, 512 KiB 1400-1463 against 4018-4721 (Open MPI
-/// 470-590 at 128 KiB); world 4, the two vCPUs apart: 64 KiB 39-54 against 125-141, 256 KiB
-/// 143-211 against 555-559; near: 64 KiB 54 against 36, 256 KiB 142 against 139.
-pub(super) fn stream_all_to_all(arena: &Arena, len: usize) -> bool {
+/// Whether a copy of `len` bytes into a rank's part of an exchange step (a broadcast's piece,
+/// a gather's or all_gather's, a scatter's input, an all_to_all's block) takes non-temporal
+/// stores (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where the arena streams
+/// ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers of the part then
+/// run on another core, whose cache an ordinary store must first take each line back from).
+/// Measured on 2 cores in alternating runs (µs, non-temporal against ordinary stores), the
+/// two vCPUs apart: all_to_all world 8, blocks of 32 KiB 114-144 against 291-295, 128 KiB
+/// 352-418 against 1147-1155, 512 KiB 1400-1463 against 4018-4721 (Open MPI 470-590 at
+/// 128 KiB); world 4, 64 KiB 39-54 against 125-141, 256 KiB 143-211 against 555-559;
+/// broadcast world 3 / 8, 1 MiB 117 / 184 against 470-590 / 560-600, 16 MiB 2.0-2.2 ms /
+/// 6.3 against 6.8-8.0 / 11.7; all_gather 1 MiB 122 / 212 against 385 / 380, gather and
+/// scatter 0.5-1.0x. Near: all_to_all world 4, 64 KiB 54 against 36, 256 KiB 142 against
+/// 139; broadcast world 3 / 8, 64 KiB 6.5 / 14 against 10.8 / 19, 1 MiB 73 / 150 against
+/// 140 / 194, 16 MiB 2.4 ms / 5.8 against 1.6 / 5.3 (Open MPI world 3: 3.6 ms); all_gather
+/// 1 MiB 107 / 171 against 136 / 181; gather and scatter 0.9-1.5x, the same within the noise.
+pub(super) fn stream_part(arena: &Arena, len: usize) -> bool {
     arena.streams() && len >= STREAM_BLOCK_MIN
 }
 
-/// See [`stream_all_to_all`]: smaller blocks were not measured.
+/// See [`stream_part`]: smaller copies were not measured.
 const STREAM_BLOCK_MIN: usize = 32 << 10;
 
 /// Gather, scatter, all_gather, even all_to_all and broadcast move by direct steps (one

@@ -484,7 +484,7 @@ impl Run<'_> {
         // `exchange` calls `put` once, before any `get` (never from inside one): the two
         // borrows never overlap, so neither can fail.
         let io = std::cell::RefCell::new(io);
-        let mut put = |p: &mut [u8]| copy_bytes(p, bytemuck::cast_slice(io.borrow().input()));
+        let mut put = |p: &mut [u8]| put_part(arena, p, bytemuck::cast_slice(io.borrow().input()));
         let mut get = |r: usize, part: &[u8]| {
             let mut io = io.borrow_mut();
             let Some(acc) = io.output() else {

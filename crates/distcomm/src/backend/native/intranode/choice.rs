@@ -150,7 +150,8 @@ fn worth_it(coll: &Coll<'_>, bytes: usize, arena: &Arena) -> bool {
 pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 
 /// Whether a copy of `len` bytes into a rank's part of an exchange step (a broadcast's piece,
-/// a gather's or all_gather's, a scatter's input, an all_to_all's block) takes non-temporal
+/// a gather's or all_gather's, a scatter's input, an all_to_all's block, a reduction's input)
+/// takes non-temporal
 /// stores (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where the arena streams
 /// ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers of the part then
 /// run on another core, whose cache an ordinary store must first take each line back from).
@@ -164,6 +165,10 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// 139; broadcast world 3 / 8, 64 KiB 6.5 / 14 against 10.8 / 19, 1 MiB 73 / 150 against
 /// 140 / 194, 16 MiB 2.4 ms / 5.8 against 1.6 / 5.3 (Open MPI world 3: 3.6 ms); all_gather
 /// 1 MiB 107 / 171 against 136 / 181; gather and scatter 0.9-1.5x, the same within the noise.
+/// One-step reductions trade: world 3 reduce_scatter apart 64 KiB 17 against 29-31, 1 MiB
+/// 170-175 against 400-407, reduce 64 KiB 21 against 29-60, near 17 against 12, 182 against
+/// 111, 17 against 9 (Open MPI's world 3 reduce of 64 KiB: 20 µs); so the slower placement
+/// comes nearer the faster.
 pub(super) fn stream_part(arena: &Arena, len: usize) -> bool {
     arena.streams() && len >= STREAM_BLOCK_MIN
 }

@@ -100,8 +100,9 @@ pub(crate) fn establish(
     let (true, Some(region)) = (all, region) else {
         return Ok(None);
     };
-    // Where the ranks run only matters to the direct steps, and cannot be told when they
-    // outnumber the cores (a rank that waits for the core is no measure).
+    // Where the ranks run only matters to the direct steps and to streaming (see
+    // `Arena::streams`), and cannot be told when they outnumber the cores (a rank that waits
+    // for the core is no measure).
     let caches = if pids.is_some() && !crowded {
         let probe = Probe {
             region: &region,

@@ -151,10 +151,10 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 
 /// Whether a copy of `len` bytes into a rank's part of an exchange step (a broadcast's piece,
 /// a gather's or all_gather's, a scatter's input, an all_to_all's block, a reduction's input)
-/// takes non-temporal
-/// stores (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where the arena streams
-/// ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers of the part then
-/// run on another core, whose cache an ordinary store must first take each line back from).
+/// takes non-temporal stores (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where
+/// the arena streams ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers
+/// of the part then run on another core, whose cache an ordinary store must first take each
+/// line back from).
 /// Measured on 2 cores in alternating runs (µs, non-temporal against ordinary stores), the
 /// two vCPUs apart: all_to_all world 8, blocks of 32 KiB 114-144 against 291-295, 128 KiB
 /// 352-418 against 1147-1155, 512 KiB 1400-1463 against 4018-4721 (Open MPI 470-590 at
@@ -234,9 +234,8 @@ pub(in crate::backend::native) const NEAR_DIRECT_MIN: usize = 256 << 10;
 /// another host of this kind (AMD EPYC, set-up's probe: slots 29-40 µs against 20-33 for the
 /// cross-memory copy), world 2, direct steps from 16 KiB (`DISTCOMM_SHM_SHARED_CACHES=0`)
 /// against the slots, 3 alternating rounds with a round trip under 0.2 µs, direct / slots
-/// time: blocks of 64 KiB all_gather 0.74x,
-/// scatter 0.77x, all_to_all 0.80x; of 128 KiB 0.60x, 0.51x, 0.66x; of 32 KiB the slots
-/// ahead (1.04-1.10x). This threshold against 256 KiB (`scripts/ab.py --caches shared`, two
+/// time: blocks of 64 KiB all_gather 0.74x, scatter 0.77x, all_to_all 0.80x; of 128 KiB
+/// 0.60x, 0.51x, 0.66x; of 32 KiB the slots ahead (1.04-1.10x). This threshold against 256 KiB (`scripts/ab.py --caches shared`, two
 /// runs of 3 pairs): blocks of 64 KiB all_gather 0.26x / 0.74x, scatter 0.83x / 0.89x,
 /// all_to_all 0.91x / 0.86x; of 128 KiB 0.22x / 0.72x, 0.72x / 0.68x, 0.76x / 0.72x.
 /// Broadcast too: 64 KiB 0.84x in one measurement, 1.02x in another, then (set-up's probe:

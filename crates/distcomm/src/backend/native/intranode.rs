@@ -153,10 +153,10 @@ fn chunked_reduce<T: Reducible>(
     Ok(())
 }
 
-/// Copies `src` into (a block of) this rank's part of an exchange step of `arena`: with
-/// non-temporal stores where [`stream_part`] says so.
-fn put_part(arena: &Arena, dst: &mut [u8], src: &[u8]) {
-    match stream_part(arena, src.len()) {
+/// Copies `src` into (a block of) this rank's part of an exchange step of `arena` (of an
+/// all_to_all: `all_to_all`): with non-temporal stores where [`stream_part`] says so.
+fn put_part(arena: &Arena, dst: &mut [u8], src: &[u8], all_to_all: bool) {
+    match stream_part(arena, src.len(), all_to_all) {
         true => copy_bytes_streaming(dst, src),
         false => copy_bytes(dst, src),
     }
@@ -295,7 +295,7 @@ impl Run<'_> {
                     let sizes = |r: usize| if r == root { len } else { 0 };
                     let buf = &mut buf[c];
                     if me == root {
-                        let mut put = |part: &mut [u8]| put_part(arena, part, buf);
+                        let mut put = |part: &mut [u8]| put_part(arena, part, buf, false);
                         arena.exchange(&s, Reads::Nobody, &sizes, &mut put, &mut |_, _| Ok(()))?;
                     } else {
                         let mut get = |r: usize, part: &[u8]| {
@@ -320,7 +320,7 @@ impl Run<'_> {
                         }
                         Ok(())
                     };
-                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()], false);
                     arena.exchange(&s, Reads::All, &|_| len, &mut put, &mut get)?;
                 }
                 Ok(())
@@ -329,7 +329,7 @@ impl Run<'_> {
                 count_sent(input.len());
                 for c in pieces(input.len(), arena.slot_bytes()) {
                     let len = c.len();
-                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()]);
+                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()], false);
                     arena.exchange(&s, Reads::Nobody, &|_| len, &mut put, &mut |_, _| Ok(()))?;
                 }
                 Ok(())
@@ -346,7 +346,7 @@ impl Run<'_> {
                 let mut put = |part: &mut [u8]| {
                     if let Some(input) = input {
                         count_sent(input.len());
-                        put_part(arena, part, input);
+                        put_part(arena, part, input, false);
                     }
                 };
                 let reads = if me == root {
@@ -367,7 +367,8 @@ impl Run<'_> {
                     // Our own block stays out (the caller copied it already).
                     let mut put = |p: &mut [u8]| {
                         for q in (0..n).filter(|&q| q != me) {
-                            put_part(arena, &mut p[q * len..(q + 1) * len], &input[block(q)]);
+                            let dst = &mut p[q * len..(q + 1) * len];
+                            put_part(arena, dst, &input[block(q)], true);
                         }
                     };
                     let mut get = |r: usize, part: &[u8]| {
@@ -484,7 +485,8 @@ impl Run<'_> {
         // `exchange` calls `put` once, before any `get` (never from inside one): the two
         // borrows never overlap, so neither can fail.
         let io = std::cell::RefCell::new(io);
-        let mut put = |p: &mut [u8]| put_part(arena, p, bytemuck::cast_slice(io.borrow().input()));
+        let mut put =
+            |p: &mut [u8]| put_part(arena, p, bytemuck::cast_slice(io.borrow().input()), false);
         let mut get = |r: usize, part: &[u8]| {
             let mut io = io.borrow_mut();
             let Some(acc) = io.output() else {

@@ -151,7 +151,7 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 
 /// Whether a copy of `len` bytes into a rank's part of an exchange step (a broadcast's piece,
 /// a gather's or all_gather's, a scatter's input, an all_to_all's block, a reduction's input)
-/// takes non-temporal stores (`copy::copy_bytes_streaming`): from [`STREAM_BLOCK_MIN`] where
+/// takes non-temporal stores (`copy::copy_bytes_streaming`): from [`STREAM_PART_MIN`] where
 /// the arena streams ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers
 /// of the part then run on another core, whose cache an ordinary store must first take each
 /// line back from).
@@ -169,12 +169,24 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// 170-175 against 400-407, reduce 64 KiB 21 against 29-60, near 17 against 12, 182 against
 /// 111, 17 against 9 (Open MPI's world 3 reduce of 64 KiB: 20 µs); so the slower placement
 /// comes nearer the faster.
-pub(super) fn stream_part(arena: &Arena, len: usize) -> bool {
-    arena.streams() && len >= STREAM_BLOCK_MIN
+/// all_to_all blocks stream from [`STREAM_ALL_TO_ALL_MIN`].
+pub(super) fn stream_part(arena: &Arena, len: usize, all_to_all: bool) -> bool {
+    let min = match all_to_all {
+        true => STREAM_ALL_TO_ALL_MIN,
+        false => STREAM_PART_MIN,
+    };
+    arena.streams() && len >= min
 }
 
-/// See [`stream_part`]: smaller copies were not measured.
-const STREAM_BLOCK_MIN: usize = 32 << 10;
+/// See [`stream_part`]: smaller parts were not measured.
+const STREAM_PART_MIN: usize = 32 << 10;
+/// all_to_all's blocks stream from this size (see [`stream_part`]). Measured on 2 cores
+/// against 32 KiB (µs, three runs): the vCPUs apart, world 3 64 KiB (blocks of 21 KiB) 13
+/// against 28-30, world 4 64 KiB 16-23 against 36-42 (Open MPI 31), world 8 64 KiB 42-61
+/// against 84, 128 KiB 63-67 against 159-164; near, world 3 13 against 11, world 4 16
+/// against 17, 26 against 35, world 8 49 against 30, 67 against 48 (Open MPI's world 8 64
+/// KiB: 123).
+const STREAM_ALL_TO_ALL_MIN: usize = 8 << 10;
 
 /// Gather, scatter, all_gather, even all_to_all and broadcast move by direct steps (one
 /// cross-memory copy, see `arena/direct.rs`) where the arena takes them and each block a rank

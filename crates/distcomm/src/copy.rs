@@ -95,6 +95,7 @@ mod avx2 {
     use std::arch::x86_64::{
         __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256, _mm_sfence,
     };
+    use std::ops::Range;
 
     /// `n` bytes from `s` to `d`: up to `d`'s first 32-byte boundary by glibc, then 128 bytes
     /// per round with non-temporal stores, the rest by glibc; then a store fence.
@@ -107,23 +108,8 @@ mod avx2 {
         let whole = head + (n - head) / 128 * 128;
         // SAFETY: the first `head <= n` bytes of both ranges (caller).
         unsafe { std::ptr::copy_nonoverlapping(s, d, head) };
-        let mut i = head;
-        while i < whole {
-            // SAFETY: `i + 128 <= whole <= n`, inside both ranges (caller); `d + i` is
-            // 32-byte aligned (`head` aligned it, rounds add multiples of 32), as the
-            // non-temporal store needs; unaligned loads have no alignment requirement.
-            unsafe {
-                let a = _mm256_loadu_si256(s.add(i).cast::<__m256i>());
-                let b = _mm256_loadu_si256(s.add(i + 32).cast::<__m256i>());
-                let c = _mm256_loadu_si256(s.add(i + 64).cast::<__m256i>());
-                let e = _mm256_loadu_si256(s.add(i + 96).cast::<__m256i>());
-                _mm256_stream_si256(d.add(i).cast::<__m256i>(), a);
-                _mm256_stream_si256(d.add(i + 32).cast::<__m256i>(), b);
-                _mm256_stream_si256(d.add(i + 64).cast::<__m256i>(), c);
-                _mm256_stream_si256(d.add(i + 96).cast::<__m256i>(), e);
-            }
-            i += 128;
-        }
+        // SAFETY: `head..whole` lies in both ranges (caller) and `d + head` is 32-byte aligned.
+        unsafe { rounds::<true>(d, s, head..whole) };
         // SAFETY: the last `n - whole` bytes of both ranges (caller).
         unsafe { std::ptr::copy_nonoverlapping(s.add(whole), d.add(whole), n - whole) };
         _mm_sfence();
@@ -136,24 +122,44 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn copy(d: *mut u8, s: *const u8, n: usize) {
         let whole = n - n % 128;
-        let mut i = 0;
-        while i < whole {
-            // SAFETY: `i + 128 <= whole <= n`, inside both ranges (caller); unaligned loads
-            // and stores have no alignment requirement; the ranges are disjoint (caller).
+        // SAFETY: `0..whole` lies in both ranges (caller); ordinary stores need no alignment.
+        unsafe { rounds::<false>(d, s, 0..whole) };
+        // SAFETY: the last `n - whole` bytes of both ranges (caller).
+        unsafe { std::ptr::copy_nonoverlapping(s.add(whole), d.add(whole), n - whole) }
+    }
+
+    /// Bytes `at` (a multiple of 128 long) from `s` to `d`, 128 per round in four unaligned
+    /// 32-byte loads and four stores: non-temporal ones with `STREAM`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `at` lies in both ranges, which are disjoint; with `STREAM`,
+    /// `d + at.start` is 32-byte aligned (as non-temporal stores need).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn rounds<const STREAM: bool>(d: *mut u8, s: *const u8, at: Range<usize>) {
+        let mut i = at.start;
+        while i + 128 <= at.end {
+            // SAFETY: `i + 128 <= at.end`, inside both ranges (caller); unaligned loads have no
+            // alignment requirement, nor have ordinary stores; `d + i + k` is 32-byte aligned
+            // for streaming (the caller aligned `at.start`, rounds add multiples of 32). The
+            // four loads come before the four stores.
             unsafe {
-                let a = _mm256_loadu_si256(s.add(i).cast::<__m256i>());
-                let b = _mm256_loadu_si256(s.add(i + 32).cast::<__m256i>());
-                let c = _mm256_loadu_si256(s.add(i + 64).cast::<__m256i>());
-                let e = _mm256_loadu_si256(s.add(i + 96).cast::<__m256i>());
-                _mm256_storeu_si256(d.add(i).cast::<__m256i>(), a);
-                _mm256_storeu_si256(d.add(i + 32).cast::<__m256i>(), b);
-                _mm256_storeu_si256(d.add(i + 64).cast::<__m256i>(), c);
-                _mm256_storeu_si256(d.add(i + 96).cast::<__m256i>(), e);
+                let v = [
+                    _mm256_loadu_si256(s.add(i).cast::<__m256i>()),
+                    _mm256_loadu_si256(s.add(i + 32).cast::<__m256i>()),
+                    _mm256_loadu_si256(s.add(i + 64).cast::<__m256i>()),
+                    _mm256_loadu_si256(s.add(i + 96).cast::<__m256i>()),
+                ];
+                for (k, v) in [0, 32, 64, 96].into_iter().zip(v) {
+                    let to = d.add(i + k).cast::<__m256i>();
+                    match STREAM {
+                        true => _mm256_stream_si256(to, v),
+                        false => _mm256_storeu_si256(to, v),
+                    }
+                }
             }
             i += 128;
         }
-        // SAFETY: the last `n - whole` bytes of both ranges (caller).
-        unsafe { std::ptr::copy_nonoverlapping(s.add(whole), d.add(whole), n - whole) }
     }
 }
 

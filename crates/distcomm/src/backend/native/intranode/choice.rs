@@ -175,7 +175,7 @@ pub(super) fn stream_part(arena: &Arena, len: usize, all_to_all: bool) -> bool {
         true => STREAM_ALL_TO_ALL_MIN,
         false => STREAM_PART_MIN,
     };
-    arena.streams() && len >= min
+    len >= min && arena.streams()
 }
 
 /// See [`stream_part`]: smaller parts were not measured.

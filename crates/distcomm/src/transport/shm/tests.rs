@@ -62,34 +62,65 @@ fn payload(k: u8, len: usize) -> Vec<u8> {
 
 /// Takes the next lane message whole: header, payload.
 fn take(link: &ShmLink) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
+    take_answering(link, None)
+}
+
+/// Where in the pool lane message `m` (taken from `link`, nothing sent since) lay.
+fn pool_offset(link: &ShmLink, m: LaneMsg) -> usize {
+    link.rx.slot_offset(m.seq).load(Ordering::Relaxed) as usize
+}
+
+/// Takes the next lane message whole, answering it with `answer` (`Some(refused)`).
+fn take_answering(
+    link: &ShmLink,
+    answer: Option<bool>,
+) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
     let mut h = [0u8; LANE_HEAD];
     let m = link.lane_peek(&mut h).unwrap()?;
     let mut data = vec![0u8; m.len];
     link.lane_copy(m, &mut data);
-    link.lane_release(m, None);
+    link.lane_release(m, answer);
     Some((m, h, data))
 }
 
 #[test]
 fn lane_keeps_order_and_sizes() {
     let link = pair(4096);
-    // Sizes around the slot's inline limit; sent and taken in waves that wrap the slots.
-    let lens = [0, 1, 8, FIRST, FIRST + 1, 64, 200, 1000, LANE_MAX];
+    // Sizes around the slot's inline limit and the spread area's; sent and taken in waves that
+    // wrap the slots and the pool (a message refused for want of room waits for the oldest to
+    // be taken).
+    let lens = [
+        0,
+        1,
+        8,
+        FIRST,
+        FIRST + 1,
+        64,
+        SPREAD_MAX,
+        SPREAD_MAX + 1,
+        1000,
+        LANE_MAX,
+    ];
     let mut sent = std::collections::VecDeque::new();
+    let take_oldest = |sent: &mut std::collections::VecDeque<(u64, u8, usize)>| {
+        let (seq, tag, len) = sent.pop_front().unwrap();
+        let (m, h, data) = take(&link).unwrap();
+        assert_eq!((m.seq, m.len), (seq, len));
+        assert_eq!((h, data), (head(tag), payload(tag, len)));
+    };
     for wave in 0..20u8 {
         for (k, &len) in lens.iter().enumerate() {
             let tag = wave.wrapping_mul(16).wrapping_add(k as u8);
-            let (seq, _) = link
-                .lane_send(&head(tag), &payload(tag, len))
-                .unwrap()
-                .unwrap();
+            let seq = loop {
+                match link.lane_send(&head(tag), &payload(tag, len)).unwrap() {
+                    Some((seq, _)) => break seq,
+                    None => take_oldest(&mut sent),
+                }
+            };
             sent.push_back((seq, tag, len));
         }
         while sent.len() > 2 {
-            let (seq, tag, len) = sent.pop_front().unwrap();
-            let (m, h, data) = take(&link).unwrap();
-            assert_eq!((m.seq, m.len), (seq, len));
-            assert_eq!((h, data), (head(tag), payload(tag, len)));
+            take_oldest(&mut sent);
         }
     }
     while let Some((seq, tag, len)) = sent.pop_front() {
@@ -189,16 +220,13 @@ fn sleeping_consumer_is_rung_for_a_lane_message() {
 }
 
 #[test]
-fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
+fn lane_holds_exactly_its_slots_of_small_messages() {
     let link = pair(4096);
-    // Chunked and inline messages alternate.
-    let len = |k: u64| if k % 2 == 0 { LANE_MAX } else { 8 };
     for round in 0..3u8 {
         // Full with LANE_SLOTS messages, then refused.
         for k in 0..LANE_SLOTS {
-            let len = len(k);
             assert!(
-                link.lane_send(&head(round), &payload(round, len))
+                link.lane_send(&head(round), &payload(k as u8, 8))
                     .unwrap()
                     .is_some(),
                 "round {round}: message {k} refused with room"
@@ -208,10 +236,10 @@ fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
             link.lane_send(&head(round), b"x").unwrap().is_none(),
             "full"
         );
-        // One taken: exactly one more fits, in the slot (and chunk) just freed.
+        // One taken: exactly one more fits, in the slot just freed.
         let (_, h, data) = take(&link).unwrap();
-        assert_eq!((h, data), (head(round), payload(round, LANE_MAX)));
-        link.lane_send(&head(round), &payload(round, LANE_MAX))
+        assert_eq!((h, data), (head(round), payload(0, 8)));
+        link.lane_send(&head(round), &payload(LANE_SLOTS as u8, 8))
             .unwrap()
             .unwrap();
         assert!(
@@ -219,11 +247,10 @@ fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
             "full again"
         );
         for k in 1..=LANE_SLOTS {
-            let len = len(k);
             let (_, h, data) = take(&link).unwrap();
             assert_eq!(
                 (h, data),
-                (head(round), payload(round, len)),
+                (head(round), payload(k as u8, 8)),
                 "round {round}: {k}"
             );
         }
@@ -232,12 +259,98 @@ fn lane_holds_exactly_its_slots_of_messages_of_any_size() {
 }
 
 #[test]
+fn long_payloads_fill_the_pool_then_wait_for_room() {
+    let link = pair(4096);
+    let long = |k: u64| payload(k as u8, LANE_MAX - k as usize % 7);
+    // As many payloads of LANE_MAX bytes as the pool holds.
+    let fit = (POOL / LANE_MAX) as u64;
+    for round in 0..3u64 {
+        for k in 0..fit {
+            assert!(
+                link.lane_send(&head(1), &long(k)).unwrap().is_some(),
+                "round {round}: long message {k} refused with room"
+            );
+        }
+        assert!(link.lane_send(&head(1), &long(99)).unwrap().is_none());
+        // One taken: one more fits, where it lay; then the pool is full again, while a short
+        // message still fits its slot.
+        assert_eq!(take(&link).unwrap().2, long(0));
+        let (seq, _) = link.lane_send(&head(1), &long(100)).unwrap().unwrap();
+        assert!(link.lane_send(&head(1), &long(99)).unwrap().is_none());
+        link.lane_send(&head(2), b"short").unwrap().unwrap();
+        // Nothing was overwritten: everything comes out whole, in order.
+        for k in 1..fit {
+            assert_eq!(take(&link).unwrap().2, long(k), "round {round}: {k}");
+        }
+        let (m, _, data) = take(&link).unwrap();
+        assert_eq!((m.seq, pool_offset(&link, m), data), (seq, 0, long(100)));
+        assert_eq!(take(&link).unwrap().2, b"short");
+        assert!(take(&link).is_none());
+    }
+}
+
+#[test]
+fn a_wrapped_pool_payload_stops_short_of_the_oldest() {
+    let link = pair(4096);
+    let fit = (POOL / LANE_MAX) as u8;
+    for k in 0..fit {
+        link.lane_send(&head(1), &payload(k, LANE_MAX))
+            .unwrap()
+            .unwrap();
+    }
+    // Two taken: 2 KiB free at the start, then the oldest untaken payload.
+    take(&link).unwrap();
+    take(&link).unwrap();
+    let mid = SPREAD_MAX + 64;
+    for k in [100, 101] {
+        link.lane_send(&head(1), &payload(k, mid)).unwrap().unwrap();
+    }
+    // 2 * 576 + 960 bytes would reach one line into it.
+    assert!(link
+        .lane_send(&head(1), &payload(102, LANE_MAX - 64))
+        .unwrap()
+        .is_none());
+    for k in 2..fit {
+        assert_eq!(take(&link).unwrap().2, payload(k, LANE_MAX), "{k}");
+    }
+    for k in [100, 101] {
+        assert_eq!(take(&link).unwrap().2, payload(k, mid));
+    }
+    assert!(take(&link).is_none());
+}
+
+#[test]
+fn a_ping_pong_reuses_the_start_of_the_pool() {
+    // Each message answered (accepted or refused): the next one's payload starts over.
+    let link = pair(4096);
+    for k in 0..3 * LANE_SLOTS {
+        let data = payload(k as u8, SPREAD_MAX + 1 + k as usize);
+        link.lane_send(&head(1), &data).unwrap().unwrap();
+        let (m, _, got) = take_answering(&link, Some(k % 3 == 0)).unwrap();
+        assert_eq!((pool_offset(&link, m), got), (0, data), "message {k}");
+    }
+    // Unanswered (as scheduled messages are), payloads go one after another; the producer
+    // starts over once it finds, having run out of room, that everything was taken.
+    let mut at = Vec::new();
+    for k in 0..2 * LANE_SLOTS {
+        let data = payload(k as u8, LANE_MAX);
+        link.lane_send(&head(1), &data).unwrap().unwrap();
+        let (m, _, got) = take(&link).unwrap();
+        assert_eq!(got, data);
+        at.push(pool_offset(&link, m));
+    }
+    assert!(at.windows(2).all(|w| w[1] == w[0] + LANE_MAX || w[1] == 0));
+    assert!(at.iter().filter(|&&a| a == 0).count() >= 2, "{at:?}");
+}
+
+#[test]
 fn a_payload_never_reads_as_a_message() {
-    // Payloads full of the words later messages are published with: they lie in chunks,
-    // never where the consumer looks for the next message.
+    // Payloads full of the words later messages are published with: they lie in the spread
+    // area or the pool, never where the consumer looks for the next message.
     let link = pair(4096);
     for round in 0..3 * LANE_SLOTS {
-        let words: Vec<u8> = (round + 2..round + 2 + LANE_MAX as u64 / 8)
+        let len = if round % 2 == 0 { LANE_MAX } else { SPREAD_MAX };
+        let words: Vec<u8> = (round + 2..round + 2 + len as u64 / 8)
             .flat_map(|w| w.to_le_bytes())
             .collect();
         link.lane_send(&head(1), &words).unwrap().unwrap();
@@ -263,6 +376,18 @@ fn corrupt_lane_is_an_error() {
         link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
         "an oversized message"
     );
+    // A payload said to lie past the end of the payload area, or off a line.
+    for at in [POOL - 64, 100] {
+        let link = pair(4096);
+        link.tx.slot_offset(1).store(at as u32, Ordering::Relaxed);
+        link.tx
+            .slot_seq(1)
+            .store(1 | (LANE_MAX as u64) << LEN_SHIFT, Ordering::Relaxed);
+        assert!(
+            link.lane_peek(&mut [0u8; LANE_HEAD]).is_err(),
+            "offset {at}"
+        );
+    }
 }
 
 #[test]

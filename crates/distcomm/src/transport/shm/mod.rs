@@ -20,9 +20,9 @@
 //! [`FIRST`] bytes, its payload; a longer payload lies whole and contiguous (one copy in and
 //! one out, no line split by a word) in the slot's own place in a *spread area* up to
 //! [`SPREAD_MAX`] bytes, else in a *pool*, where the slot says: one after another, and from the
-//! pool's start again whenever the consumer has taken every message, so that a ping-pong goes
-//! through the same few lines (the constants say what was measured). The slot's word, written
-//! last, publishes the message with its sequence number and length, so an 8-byte
+//! pool's start again whenever the consumer has taken every payload there, so that a ping-pong
+//! goes through the same few lines (the constants say what was measured). The slot's word,
+//! written last, publishes the message with its sequence number and length, so an 8-byte
 //! message is one line and the receiver polls the very line it arrives in (a ring message
 //! crosses as two lines, the tail and then the frame). Payloads live apart from the slots so
 //! that no payload byte can ever be read as the word of a later message. A point-to-point
@@ -105,17 +105,17 @@ const OFF_SPREAD: usize = 8192;
 const OFF_POOL: usize = OFF_SPREAD + SPREAD_STRIDE * LANE_SLOTS as usize;
 const OFF_DATA: usize = OFF_POOL + POOL;
 /// Mid-size payloads go where their slot says, each message to fresh lines that neither side
-/// touched for many messages: packed one after another instead (the next message's lines
-/// right behind the last one's), a ping-pong is slower, and slower still through the same few
-/// lines. Half round trip with the vCPUs near, one binary, alternating: 128 B 0.22 µs spread,
-/// 0.24 packed; 512 B 0.25 spread, 0.29 packed; 256 B through the same lines 1.05-1.20x
-/// slower than spread, near and apart.
+/// touched for many messages; packed one after another instead (the next message's lines right
+/// behind the last one's), a ping-pong is slower. Half round trip with the vCPUs near, one
+/// binary, 5 alternating rounds: 128 B 0.21 µs at the slot's place, 0.23-0.24 packed within the
+/// first 1-8 KiB; 256 B 0.23 against 0.24-0.25; 512 B 0.25 against 0.25-0.27, and 0.29 packed
+/// throughout (places 512 bytes apart).
 const SPREAD_MAX: usize = 512;
 const SPREAD_STRIDE: usize = 1024;
 /// The pool: longer payloads one after another, and from its start again whenever the consumer
-/// has taken every message. A ping-pong of 1 KiB so goes through the same 16 lines, which stay
-/// in both sides' first-level caches: 0.26 µs half round trip near and 0.66 apart, against
-/// 0.35 and 1.05 through a place per slot (64 KiB of lines); messages in flight still have the
+/// has taken every payload in it. A ping-pong of 1 KiB so goes through the same 16 lines, which stay
+/// in both sides' first-level caches: 0.26 µs half round trip near and 0.64 apart, against
+/// 0.34 and 1.05 through a place per slot (64 KiB of lines); messages in flight still have the
 /// whole pool.
 const POOL: usize = 32 << 10;
 /// Payloads in the pool start on cache lines.

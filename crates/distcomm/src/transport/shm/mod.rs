@@ -112,11 +112,11 @@ const OFF_DATA: usize = OFF_POOL + POOL;
 /// throughout (places 512 bytes apart).
 const SPREAD_MAX: usize = 512;
 const SPREAD_STRIDE: usize = 1024;
-/// The pool: longer payloads one after another, and from its start again whenever the consumer
-/// has taken every payload in it. A ping-pong of 1 KiB so goes through the same 16 lines, which stay
-/// in both sides' first-level caches: 0.26 µs half round trip near and 0.64 apart, against
-/// 0.34 and 1.05 through a place per slot (64 KiB of lines); messages in flight still have the
-/// whole pool.
+/// The pool: longer payloads one after another, and from its start again whenever the
+/// consumer has taken every payload in it. A ping-pong of 1 KiB so goes through the same 16
+/// lines, which stay in both sides' first-level caches: 0.26 µs half round trip near and 0.64
+/// apart, against 0.34 and 1.05 through a place per slot (64 KiB of lines); messages in flight
+/// still have the whole pool.
 const POOL: usize = 32 << 10;
 /// Payloads in the pool start on cache lines.
 const POOL_ALIGN: usize = 64;
@@ -475,8 +475,9 @@ impl ShmLink {
 
     /// Writes a small message (`head`, then at most [`LANE_MAX`] bytes of `payload`) to the
     /// lane, if nothing written to the ring is still unread and a slot is free (and room in
-    /// the pool, for a payload longer than [`SPREAD_MAX`]). Returns its sequence number and whether the consumer is asleep and needs a doorbell; `None` when the
-    /// lane cannot take it.
+    /// the pool, for a payload longer than [`SPREAD_MAX`]). Returns its sequence number and
+    /// whether the consumer is asleep and needs a doorbell; `None` when the lane cannot take
+    /// it.
     pub fn lane_send(
         &self,
         head: &[u8; LANE_HEAD],

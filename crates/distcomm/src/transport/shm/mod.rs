@@ -94,8 +94,8 @@ const OFF_PRODUCER_WAITING: usize = 192;
 const OFF_MAGIC: usize = 256;
 const OFF_CAP: usize = 264;
 /// The small-message lane (see the module documentation): the consumer's count of messages
-/// taken, its answers (one word per outstanding answered message), the slots, the payload
-/// area.
+/// taken, its answers (one word per outstanding answered message), the slots, the spread area
+/// and the pool.
 const OFF_LANE_HEAD: usize = 320;
 const OFF_ACKS: usize = 512;
 const OFF_SLOTS: usize = 2048;
@@ -327,8 +327,13 @@ impl Ring {
     }
 }
 
+/// What the producer knows of its pool (apart from the link's other fields: only payloads
+/// longer than [`SPREAD_MAX`] need it).
 struct Pool {
+    /// Where the next payload goes.
     next: Cell<usize>,
+    /// The messages with payloads there not known to be taken (sequence number, offset),
+    /// oldest first.
     used: RefCell<VecDeque<(u64, usize)>>,
 }
 
@@ -343,8 +348,7 @@ pub(crate) struct ShmLink {
     /// (or known from their answers).
     tx_lane: Cell<u64>,
     tx_lane_head: Cell<u64>,
-    /// Where the next payload goes in `tx`'s pool, and the messages with payloads there not
-    /// known to be taken (sequence number, offset), oldest first.
+    /// `tx`'s pool.
     pool: Box<Pool>,
     /// Lane messages taken from `rx`.
     rx_lane: Cell<u64>,

@@ -65,6 +65,10 @@ impl Arena {
         match *self {}
     }
 
+    pub(crate) fn streams(&self) -> bool {
+        match *self {}
+    }
+
     pub(crate) fn exchange_direct(
         &self,
         _s: &Exchange<'_>,

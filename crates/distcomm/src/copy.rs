@@ -90,6 +90,14 @@ pub(crate) fn copy_bytes_streaming(dst: &mut [u8], src: &[u8]) {
     copy_bytes(dst, src);
 }
 
+/// [`copy_bytes_streaming`] when `stream`, else [`copy_bytes`].
+pub(crate) fn copy_bytes_streaming_if(stream: bool, dst: &mut [u8], src: &[u8]) {
+    match stream {
+        true => copy_bytes_streaming(dst, src),
+        false => copy_bytes(dst, src),
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::{

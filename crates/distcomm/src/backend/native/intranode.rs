@@ -20,7 +20,7 @@ use super::collectives::{chose, Run};
 use crate::backend::{typed, Coll};
 use crate::call::{Call, CallKind};
 use crate::commslog::count_sent;
-use crate::copy::{copy, copy_bytes, copy_bytes_streaming};
+use crate::copy::{copy, copy_bytes, copy_bytes_streaming_if};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 
@@ -156,10 +156,7 @@ fn chunked_reduce<T: Reducible>(
 /// Copies `src` into (a block of) this rank's part of an exchange step of `arena` (of an
 /// all_to_all: `all_to_all`): with non-temporal stores where [`stream_part`] says so.
 fn put_part(arena: &Arena, dst: &mut [u8], src: &[u8], all_to_all: bool) {
-    match stream_part(arena, src.len(), all_to_all) {
-        true => copy_bytes_streaming(dst, src),
-        false => copy_bytes(dst, src),
-    }
+    copy_bytes_streaming_if(stream_part(arena, src.len(), all_to_all), dst, src);
 }
 
 /// Elements of a piece of [`reduce_from`] on `n` ranks: 32-128 KiB per rank, 256 KiB of

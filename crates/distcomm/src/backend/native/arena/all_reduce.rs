@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use super::{Arena, Exchange, Reads, Wait, INLINE, LINE_DATA};
-use crate::copy::{copy, copy_bytes_streaming};
+use crate::copy::{copy, copy_bytes_streaming, copy_bytes_streaming_if};
 use crate::error::Result;
 use crate::reduce::{ReduceOp, Reducible};
 
@@ -218,10 +218,8 @@ impl Arena {
 
 /// `dst.copy_from_slice(src)`, with non-temporal stores when `stream` (see [`STREAM_PIECE`]).
 fn put<T: Reducible>(stream: bool, dst: &mut [T], src: &[T]) {
-    match stream {
-        true => copy_bytes_streaming(bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src)),
-        false => copy(dst, src),
-    }
+    let (dst, src) = (bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
+    copy_bytes_streaming_if(stream, dst, src);
 }
 
 /// [`Reducible::reduce_all`] of the `n` sources `src` into `out`, piece by piece into

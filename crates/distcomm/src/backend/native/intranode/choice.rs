@@ -247,9 +247,10 @@ pub(in crate::backend::native) const NEAR_DIRECT_MIN: usize = 256 << 10;
 /// cross-memory copy), world 2, direct steps from 16 KiB (`DISTCOMM_SHM_SHARED_CACHES=0`)
 /// against the slots, 3 alternating rounds with a round trip under 0.2 µs, direct / slots
 /// time: blocks of 64 KiB all_gather 0.74x, scatter 0.77x, all_to_all 0.80x; of 128 KiB
-/// 0.60x, 0.51x, 0.66x; of 32 KiB the slots ahead (1.04-1.10x). This threshold against 256 KiB (`scripts/ab.py --caches shared`, two
-/// runs of 3 pairs): blocks of 64 KiB all_gather 0.26x / 0.74x, scatter 0.83x / 0.89x,
-/// all_to_all 0.91x / 0.86x; of 128 KiB 0.22x / 0.72x, 0.72x / 0.68x, 0.76x / 0.72x.
+/// 0.60x, 0.51x, 0.66x; of 32 KiB the slots ahead (1.04-1.10x). This threshold against
+/// 256 KiB (`scripts/ab.py --caches shared`, two runs of 3 pairs): blocks of 64 KiB
+/// all_gather 0.26x / 0.74x, scatter 0.83x / 0.89x, all_to_all 0.91x / 0.86x; of 128 KiB
+/// 0.22x / 0.72x, 0.72x / 0.68x, 0.76x / 0.72x.
 /// Broadcast too: 64 KiB 0.84x in one measurement, 1.02x in another, then (set-up's probe:
 /// slots 31-32 µs against 23-24, 4 rounds gated on a round trip under 0.2 µs, direct /
 /// slots time) 64 KiB 0.84x (0.84-0.85; 6.4 µs against 7.7), 128 KiB 0.72x. Gather keeps

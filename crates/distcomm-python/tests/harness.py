@@ -7,6 +7,7 @@ at the deadline and named.
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +45,13 @@ def run_ranks(fn, world, *args, timeout=120, init="file", env=None, expect_exit=
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="distcomm-py-")
+    try:
+        return _run(fn, world, args, timeout, init, env, expect_exit, ctx, q, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(fn, world, args, timeout, init, env, expect_exit, ctx, q, tmp):
     if init == "file":
         init = f"file://{tmp}/store"
     procs = [

@@ -12,6 +12,7 @@
 //! completing, kicking, blocking, polling and registering a waker.
 
 use std::any::Any;
+use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
@@ -156,6 +157,16 @@ struct Slot {
     sleepers: u32,
 }
 
+/// Most spare cells a thread keeps (see [`OpCell::recycle`]): as many as operations a
+/// handle-driven loop typically has in flight.
+const SPARE_CELLS_MAX: usize = 16;
+
+#[cfg(not(loom))]
+thread_local! {
+    static SPARE_CELLS: std::cell::RefCell<Vec<Arc<OpCell>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The completion cell shared by a handle and the engine.
 pub(crate) struct OpCell {
     done: AtomicBool,
@@ -242,13 +253,54 @@ impl OpCell {
 
     /// The cell of watched send `ticket`, holding its buffer: it comes back from here once
     /// accepted, or goes to the driver that adopts the send ([`Driver::adopt`]).
-    pub(crate) fn watched(ticket: Ticket, buf: BoxBuf) -> OpCell {
-        let cell = OpCell {
-            ticket: Some(ticket),
-            ..OpCell::default()
-        };
+    pub(crate) fn watched(ticket: Ticket, buf: BoxBuf) -> Arc<OpCell> {
+        let mut cell = OpCell::fresh();
+        match Arc::get_mut(&mut cell) {
+            Some(c) => c.ticket = Some(ticket),
+            // Not reached: a fresh cell has no other owner.
+            None => {
+                cell = Arc::new(OpCell {
+                    ticket: Some(ticket),
+                    ..OpCell::default()
+                })
+            }
+        }
         cell.lock().buf = Some(buf);
         cell
+    }
+
+    /// A new, pending cell: one of this thread's spares when it has one (see
+    /// [`recycle`](Self::recycle)), else a new allocation.
+    pub(crate) fn fresh() -> Arc<OpCell> {
+        #[cfg(not(loom))]
+        if let Some(cell) = SPARE_CELLS
+            .try_with(|s| s.borrow_mut().pop())
+            .ok()
+            .flatten()
+        {
+            return cell;
+        }
+        Arc::default()
+    }
+
+    /// The end of a handle's cell: when nobody else holds it, it is reset and kept as one of
+    /// this thread's spares (at most [`SPARE_CELLS_MAX`]) for [`fresh`](Self::fresh); an
+    /// allocation and a free less per operation, which a ping-pong of small messages with
+    /// handles pays on its way (the free after a receive, before the reply's send).
+    pub(crate) fn recycle(mut cell: Arc<OpCell>) {
+        let Some(c) = Arc::get_mut(&mut cell) else {
+            return;
+        };
+        // Drops what the cell still holds (a buffer nobody took, a waker) as dropping the
+        // cell would.
+        *c = OpCell::default();
+        #[cfg(not(loom))]
+        let _ = SPARE_CELLS.try_with(|s| {
+            let mut spares = s.borrow_mut();
+            if spares.len() < SPARE_CELLS_MAX {
+                spares.push(cell);
+            }
+        });
     }
 
     /// The ticket of a watched send the driver has not adopted.
@@ -393,7 +445,7 @@ pub(crate) trait Driver: Send + Sync {
     /// Takes over watched send `t` (operation `op_id`, the driver's numbering), whose buffer
     /// `cell` holds: from now on the driver completes `cell` (the buffer back in it on
     /// success), as for any operation it posted.
-    fn adopt(&self, _op_id: u64, t: &Ticket, cell: &std::sync::Arc<OpCell>) {
+    fn adopt(&self, _op_id: u64, t: &Ticket, cell: &Arc<OpCell>) {
         cell.complete(
             Err(Error::Aborted {
                 op: t.env.op,
@@ -407,6 +459,74 @@ pub(crate) trait Driver: Send + Sync {
 
 pub(crate) fn block(cell: &OpCell, deadline: Instant) -> bool {
     cell.block_until(deadline)
+}
+
+#[cfg(all(test, not(loom)))]
+mod spare_tests {
+    use std::sync::Arc;
+
+    use super::{OpCell, Status, Ticket};
+    use crate::call::{Envelope, Fingerprint};
+    use crate::dtype::DType;
+
+    fn ticket() -> Ticket {
+        let env = Envelope {
+            op: "isend",
+            dtype: DType::Bytes,
+            ctx: 0,
+            tag: 3,
+            fp: Fingerprint::NONE,
+        };
+        Ticket {
+            peer: 1,
+            seq: 9,
+            env,
+            len: 4,
+        }
+    }
+
+    #[test]
+    fn a_recycled_cell_comes_back_pending_and_empty() {
+        let cell = OpCell::watched(ticket(), Box::new(vec![1u8; 4]));
+        cell.complete(
+            Ok(Status {
+                peer: 1,
+                tag: 3,
+                bytes: 4,
+            }),
+            None,
+        );
+        let at = Arc::as_ptr(&cell);
+        OpCell::recycle(cell);
+        let again = OpCell::fresh();
+        assert_eq!(Arc::as_ptr(&again), at, "the spare was not reused");
+        assert!(!again.is_done());
+        assert!(again.result().is_none());
+        assert!(again.take_buf().is_none());
+        assert!(again.ticket().is_none());
+        OpCell::recycle(again);
+    }
+
+    #[test]
+    fn a_cell_someone_else_holds_is_not_recycled() {
+        let cell = OpCell::fresh();
+        let other = cell.clone();
+        OpCell::recycle(cell);
+        let next = OpCell::fresh();
+        assert!(
+            !Arc::ptr_eq(&next, &other),
+            "a cell still in use was handed out"
+        );
+        other.complete(
+            Ok(Status {
+                peer: 0,
+                tag: 0,
+                bytes: 0,
+            }),
+            None,
+        );
+        assert!(!next.is_done());
+    }
 }
 
 #[cfg(all(test, loom))]

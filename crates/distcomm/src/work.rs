@@ -10,6 +10,7 @@
 use std::any::Any;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -158,7 +159,8 @@ impl WireBuf for Lent {
 /// ```
 #[must_use = "a Work handle should be waited; dropping it detaches the operation"]
 pub struct Work<B> {
-    cell: Arc<OpCell>,
+    /// Handed back to [`OpCell::recycle`] when the handle drops.
+    cell: ManuallyDrop<Arc<OpCell>>,
     driver: Arc<dyn Driver>,
     op_id: u64,
     op: &'static str,
@@ -181,7 +183,7 @@ impl<B: 'static> Work<B> {
         default_timeout: Duration,
     ) -> Self {
         Work {
-            cell,
+            cell: ManuallyDrop::new(cell),
             driver,
             op_id,
             op,
@@ -377,11 +379,12 @@ impl<B> Drop for Work<B> {
             if self.driver.answer(t) != Some(true) {
                 self.driver.adopt(self.op_id, t, &self.cell);
             }
-            return;
-        }
-        if self.withdraw_on_drop && !self.cell.is_done() {
+        } else if self.withdraw_on_drop && !self.cell.is_done() {
             self.driver.cancel(self.op_id);
         }
+        // SAFETY: `cell` is not used again: this is the handle's last use of its fields.
+        let cell = unsafe { ManuallyDrop::take(&mut self.cell) };
+        OpCell::recycle(cell);
     }
 }
 

@@ -262,7 +262,7 @@ impl ProcessGroup {
         op: &'static str,
         f: impl FnOnce(&Inner) -> Result<Vec<T>> + Send + 'static,
     ) -> Result<Work<Vec<T>>> {
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         let inner = self.inner.clone();
         let done = cell.clone();
         let job: Job = Box::new(move || {

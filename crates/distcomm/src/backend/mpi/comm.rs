@@ -116,7 +116,7 @@ impl Comm {
     /// After [`abort`](Self::abort): a handle that has already failed.
     fn refused(&self, t: &Table, op: &'static str) -> Option<Posted> {
         let reason = t.aborted.get(&self.family)?.clone();
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         cell.complete(
             Err(Error::Aborted {
                 op,
@@ -156,7 +156,7 @@ impl Comm {
         // SAFETY: MPI_Isend succeeded and wrote the request.
         let req = unsafe { req.assume_init() };
         let id = g.next_id.fetch_add(1, Ordering::Relaxed);
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         t.pending.push(Pending {
             id,
             kind: Kind::Send(Handle(req)),
@@ -179,7 +179,7 @@ impl Comm {
         let g = global()?;
         let comm = self.comm_for(&env);
         let id = g.next_id.fetch_add(1, Ordering::Relaxed);
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         let mut t = mpi_lock(g);
         if let Some(w) = self.refused(&t, env.op) {
             return Ok(w);

@@ -292,11 +292,11 @@ impl State {
     /// come first are delivered as usual. On success the receive leaves the queue with the
     /// message in its buffer and its cell untouched (the handle, consumed, never reads it).
     pub(super) fn claim(&mut self, id: u64) -> LaneTake<(Status, BoxBuf)> {
-        let Some((Some(src), key)) = self
+        let Some((at, Some(src), key)) = self
             .matcher
             .find_posted(|r| r.id == id)
             .filter(|&(_, _, first)| first)
-            .map(|(_, r, _)| (r.src, (r.ctx, r.tag)))
+            .map(|(i, r, _)| (i, r.src, (r.ctx, r.tag)))
         else {
             return LaneTake::Declined;
         };
@@ -312,13 +312,14 @@ impl State {
             Err(()) => return LaneTake::Declined,
         };
         // Still posted: nothing else takes receives out while we hold the lock, and the
-        // messages delivered on the way had other keys.
-        let Some(mut r) = self
-            .matcher
-            .find_posted(|r| r.id == id)
-            .map(|(i, _, _)| i)
-            .and_then(|i| self.matcher.remove_posted(i))
-        else {
+        // messages delivered on the way had other keys (and may have taken receives posted
+        // before it: then it moved).
+        let at = if self.matcher.posted_at(at).is_some_and(|r| r.id == id) {
+            Some(at)
+        } else {
+            self.matcher.find_posted(|r| r.id == id).map(|(i, _, _)| i)
+        };
+        let Some(mut r) = at.and_then(|i| self.matcher.remove_posted(i)) else {
             return LaneTake::Declined;
         };
         match self.check(&mut r, src, &h) {

@@ -150,14 +150,14 @@ impl Engine {
                     len,
                 };
                 if !waits {
-                    let cell = Arc::new(OpCell::default());
+                    let cell = OpCell::fresh();
                     cell.complete(Ok(ticket.status()), Some(buf));
                     return (id, cell);
                 }
-                return (id, Arc::new(OpCell::watched(ticket, buf)));
+                return (id, OpCell::watched(ticket, buf));
             }
         }
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         let mut pending = env.pending(dst, len, cell.clone());
         if let Some(reason) = st.closed.clone() {
             let e = Error::Aborted {
@@ -336,7 +336,7 @@ impl Engine {
             tag,
             fp,
         } = env;
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         let mut st = self.sh.lock();
         let id = st.alloc_id();
         st.post_recv(Posted {
@@ -491,7 +491,7 @@ impl Engine {
         if watch.answered(seq) == Some(true) {
             return Fast::Done(Ok(t.status()));
         }
-        let cell = Arc::new(OpCell::default());
+        let cell = OpCell::fresh();
         match self.sh.lock().adopt_lane_send(&t, &cell, None, None) {
             Some(id) => Fast::Handed(id, cell),
             None => Fast::Done(cell.result().unwrap_or(Ok(t.status()))),

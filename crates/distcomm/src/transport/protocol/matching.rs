@@ -133,6 +133,11 @@ impl<R: Receive, M: Message> Matcher<R, M> {
         Some((i, r, first))
     }
 
+    /// The posted receive at position `i`.
+    pub(crate) fn posted_at(&self, i: usize) -> Option<&R> {
+        self.posted.get(i)
+    }
+
     /// Takes out the posted receive at position `i` (from [`Self::find_posted`]).
     pub(crate) fn remove_posted(&mut self, i: usize) -> Option<R> {
         self.posted.remove(i)

@@ -96,7 +96,7 @@ impl State {
     }
 
     /// Releases lane message `m` from `p`; with `accept`, also writes its answer word
-    /// "accepted" (one fence for both).
+    /// "accepted" (in the same step).
     pub(super) fn lane_release(&mut self, p: usize, m: LaneMsg, accept: bool) {
         if let Some((link, shm)) = self.shm_link(p) {
             if shm.lane_release(m, accept.then_some(false)) {

@@ -8,7 +8,11 @@
 //! us a segment), the kernel closes it when a process dies however it dies (peer death is
 //! detected exactly as on TCP), and it is a file descriptor `poll(2)` can sleep on: a side that
 //! goes to sleep raises a flag in the ring, and the other side, seeing it after publishing,
-//! writes one *doorbell* byte to the socket.
+//! writes one *doorbell* byte to the socket. The side going to sleep fences between raising its
+//! flag and its last look; the publishing side does not fence between publishing and reading
+//! the flag (that fence cost every small message a cache-line transfer), so it may miss a flag
+//! raised at that very instant: the sleeper looks once more a moment later, before it sleeps
+//! (the engine's progress loop, `RECHECK`).
 //!
 //! The producer also remembers the consumer's head from its last look and reads the shared one
 //! only when the remembered free space is too small, so a small write does not wait for the
@@ -60,7 +64,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{compiler_fence, fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -528,16 +532,16 @@ impl ShmLink {
     /// After publishing to the peer (ring bytes, a lane message, an answer): whether it sleeps
     /// and must be rung (once per sleep).
     fn consumer_asleep(&self) -> bool {
-        // Pairs with the fence in `prepare_sleep`: either the peer sees what we published, or
-        // we see its flag.
-        fence(Ordering::SeqCst);
+        // No fence (see the module doc): a flag raised as we publish may be missed, and the
+        // sleeper looks once more before it sleeps. The compiler keeps the order as written.
+        compiler_fence(Ordering::SeqCst);
         lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING))
     }
 
     /// After taking from the inbound ring or lane: whether the producer waits for room and
     /// must be rung (once per wait).
     fn producer_waiting(&self) -> bool {
-        fence(Ordering::SeqCst);
+        compiler_fence(Ordering::SeqCst);
         lower(self.rx.atomic32(OFF_PRODUCER_WAITING))
     }
 
@@ -592,8 +596,8 @@ impl ShmLink {
         self.rx
             .atomic64(OFF_LANE_HEAD)
             .store(m.seq, Ordering::Release);
-        // One fence for both flags (see `consumer_asleep` and `producer_waiting`).
-        fence(Ordering::SeqCst);
+        // As in `consumer_asleep` and `producer_waiting`.
+        compiler_fence(Ordering::SeqCst);
         let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
         let asleep = answer.is_some() && lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING));
         waiting || asleep

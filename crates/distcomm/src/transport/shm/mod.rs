@@ -9,10 +9,11 @@
 //! detected exactly as on TCP), and it is a file descriptor `poll(2)` can sleep on: a side that
 //! goes to sleep raises a flag in the ring, and the other side, seeing it after publishing,
 //! writes one *doorbell* byte to the socket. The side going to sleep fences between raising its
-//! flag and its last look; the publishing side does not fence between publishing and reading
-//! the flag (that fence cost every small message a cache-line transfer), so it may miss a flag
-//! raised at that very instant: the sleeper looks once more a moment later, before it sleeps
-//! (the engine's progress loop, `RECHECK`).
+//! flag and its last look; on x86-64 the publishing side does not fence between publishing and
+//! reading the flag (that fence cost every small message a cache-line transfer), so it may miss
+//! a flag raised at that very instant: the sleeper looks once more a moment later, before it
+//! sleeps (the engine's progress loop, `RECHECK`, which also bounds such a sleep soon after
+//! traffic to 10 ms and logs a doorbell found missed at `DISTCOMM_DEBUG=DEBUG`).
 //!
 //! The producer also remembers the consumer's head from its last look and reads the shared one
 //! only when the remembered free space is too small, so a small write does not wait for the
@@ -532,16 +533,14 @@ impl ShmLink {
     /// After publishing to the peer (ring bytes, a lane message, an answer): whether it sleeps
     /// and must be rung (once per sleep).
     fn consumer_asleep(&self) -> bool {
-        // No fence (see the module doc): a flag raised as we publish may be missed, and the
-        // sleeper looks once more before it sleeps. The compiler keeps the order as written.
-        compiler_fence(Ordering::SeqCst);
+        publish_then_look();
         lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING))
     }
 
     /// After taking from the inbound ring or lane: whether the producer waits for room and
     /// must be rung (once per wait).
     fn producer_waiting(&self) -> bool {
-        compiler_fence(Ordering::SeqCst);
+        publish_then_look();
         lower(self.rx.atomic32(OFF_PRODUCER_WAITING))
     }
 
@@ -596,8 +595,7 @@ impl ShmLink {
         self.rx
             .atomic64(OFF_LANE_HEAD)
             .store(m.seq, Ordering::Release);
-        // As in `consumer_asleep` and `producer_waiting`.
-        compiler_fence(Ordering::SeqCst);
+        publish_then_look();
         let waiting = lower(self.rx.atomic32(OFF_PRODUCER_WAITING));
         let asleep = answer.is_some() && lower(self.tx.atomic32(OFF_CONSUMER_SLEEPING));
         waiting || asleep
@@ -706,6 +704,18 @@ fn misplaced(len: usize, at: usize) -> io::Error {
         io::ErrorKind::InvalidData,
         format!("shared-memory lane payload of {len} bytes at offset {at}"),
     )
+}
+
+/// Between publishing to the peer and reading its sleep flag. On x86-64 no fence (see the
+/// module doc): a flag raised as we publish may be missed, and the sleeper looks once more
+/// before it sleeps; the compiler keeps the order as written. Elsewhere a full fence, as the
+/// measurements behind that choice were taken on x86-64 only.
+#[inline(always)]
+fn publish_then_look() {
+    #[cfg(target_arch = "x86_64")]
+    compiler_fence(Ordering::SeqCst);
+    #[cfg(not(target_arch = "x86_64"))]
+    fence(Ordering::SeqCst);
 }
 
 /// Clears a raised sleep flag; returns whether it was raised (then the caller rings).

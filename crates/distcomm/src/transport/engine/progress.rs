@@ -454,7 +454,7 @@ impl Shared {
 /// How long after raising its shared-memory sleep flags (and finding nothing to do) the
 /// progress thread looks once more before it sleeps. A peer publishing (a message, an answer,
 /// room in a ring) reads our flags right after, without a fence between (one would put a
-/// cache-line transfer on the way of every small message: 7-9 % of a shared-memory ping-pong
+/// cache-line transfer on the way of every small message: 6-14 % of a shared-memory ping-pong
 /// of 8-128 B): it may read them an instant before they went up, while what it published has
 /// not left its core yet, and not ring. A store leaves its core within the time the core takes
 /// to own the line (a fraction of a microsecond; at once when it is preempted), so this second

@@ -150,14 +150,6 @@ impl State {
         busy
     }
 
-    /// Whether any live peer is a shared-memory one (whose sleep flags `prepare_sleep` raises).
-    pub(super) fn has_shm(&self) -> bool {
-        self.peers
-            .iter()
-            .flatten()
-            .any(|p| p.dead.is_none() && p.link.shm.is_some())
-    }
-
     /// After the progress thread woke: lowers the sleep flags.
     pub(super) fn woke(&self) {
         #[cfg(target_os = "linux")]
@@ -373,6 +365,9 @@ impl Shared {
         let mut last_end = Instant::now();
         // Whether the last sleep ran out with nothing to do (then the next may be long).
         let mut idle = false;
+        // Whether there are shared-memory sleep flags to raise (links are made before this
+        // thread starts).
+        let shm = self.watch.iter().any(Option::is_some);
         while !self.stop.load(Ordering::Acquire) {
             fds.clear();
             owners.clear();
@@ -400,7 +395,7 @@ impl Shared {
                 let mut st = self.lock();
                 st.poll_set(&mut fds, &mut owners, true);
                 busy = st.prepare_sleep();
-                if !busy && st.has_shm() {
+                if !busy && shm {
                     drop(st);
                     busy = self.recheck();
                 }
@@ -424,7 +419,7 @@ impl Shared {
                 let mut st = self.lock();
                 st.woke();
                 let moved = st.progress_ready(&fds[1..], &owners, true);
-                if n == 0 && timeout_ms > 0 && moved && st.has_shm() {
+                if n == 0 && timeout_ms > 0 && moved && shm {
                     tracing::debug!(
                         target: "distcomm::shm",
                         rank = self.rank,

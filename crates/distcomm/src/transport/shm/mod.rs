@@ -702,7 +702,10 @@ impl ShmLink {
 fn misplaced(len: usize, at: usize) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
-        format!("shared-memory lane payload of {len} bytes at offset {at}"),
+        format!(
+            "shared-memory lane payload of {len} bytes said to lie at offset {at}, off a cache \
+             line or past the {POOL}-byte pool: the peer's shared memory is corrupt"
+        ),
     )
 }
 

@@ -11,7 +11,10 @@
 //! cargo test -p distcomm --lib --release completion::loom` runs every interleaving of
 //! completing, kicking, blocking, polling and registering a waker.
 
+use std::alloc::{dealloc, Layout};
 use std::any::Any;
+use std::cell::RefCell;
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -76,6 +79,82 @@ impl<T: crate::Element> WireBuf for Vec<T> {
 }
 
 pub(crate) type BoxBuf = Box<dyn WireBuf>;
+
+/// The layout of the boxes a thread keeps for [`boxed`]: a `Vec`'s, of any element type (and
+/// of anything else with its size and alignment, such as a [`RawView`]).
+const SPARE_BOX: Layout = Layout::new::<Vec<u8>>();
+
+/// Most spare boxes a thread keeps: as many as handles a loop typically has in flight.
+const SPARE_BOXES_MAX: usize = 16;
+
+/// Allocations of [`SPARE_BOX`] layout that held a buffer once, freed when the thread ends.
+struct SpareBoxes(Vec<NonNull<u8>>);
+
+impl Drop for SpareBoxes {
+    fn drop(&mut self) {
+        for p in self.0.drain(..) {
+            // SAFETY: every pointer here came from a `Box` of a type of layout `SPARE_BOX`
+            // (see `unboxed`), allocated by the global allocator, and is here once.
+            unsafe { dealloc(p.as_ptr(), SPARE_BOX) };
+        }
+    }
+}
+
+thread_local! {
+    static SPARE_BOXES: RefCell<SpareBoxes> = const { RefCell::new(SpareBoxes(Vec::new())) };
+}
+
+/// `buf` boxed for the engine, in one of this thread's spare boxes when its layout is a
+/// `Vec`'s and there is one ([`unboxed`] keeps them): a handle's buffer then costs no
+/// allocation and no free, which an 8-byte ping-pong with handles paid twice per round trip
+/// on each rank.
+pub(crate) fn boxed<B: WireBuf>(buf: B) -> BoxBuf {
+    if Layout::new::<B>() == SPARE_BOX {
+        let spare = SPARE_BOXES.try_with(|s| s.borrow_mut().0.pop());
+        if let Ok(Some(p)) = spare {
+            let p = p.as_ptr().cast::<B>();
+            // SAFETY: `p` was allocated by the global allocator with layout `SPARE_BOX`, which
+            // is `B`'s (checked above), so it is valid and aligned for a `B`, and it is ours
+            // alone (taken out of the list); writing `buf` initialises it, after which
+            // `Box::from_raw` may own it: the memory was allocated the way `Box<B>` allocates.
+            unsafe {
+                p.write(buf);
+                return Box::from_raw(p);
+            }
+        }
+    }
+    Box::new(buf)
+}
+
+/// The buffer out of its box, the box kept for [`boxed`] when its layout is a `Vec`'s and the
+/// thread has room for it.
+pub(crate) fn unboxed<B>(b: Box<B>) -> B {
+    if Layout::new::<B>() != SPARE_BOX {
+        return *b;
+    }
+    let p = NonNull::from(Box::leak(b));
+    // SAFETY: `p` points to the live, initialised `B` the box owned; it is read once, and the
+    // memory is then either kept as a spare (holding no `B` any more) or freed, never read as
+    // a `B` again.
+    let buf = unsafe { p.as_ptr().read() };
+    let p = p.cast::<u8>();
+    let kept = SPARE_BOXES
+        .try_with(|s| {
+            let mut s = s.borrow_mut();
+            let room = s.0.len() < SPARE_BOXES_MAX;
+            if room {
+                s.0.push(p);
+            }
+            room
+        })
+        .unwrap_or(false);
+    if !kept {
+        // SAFETY: `p` came from a `Box<B>` (global allocator, layout `Layout::new::<B>()`,
+        // which is `SPARE_BOX`), its value was moved out above, and it is freed once.
+        unsafe { dealloc(p.as_ptr(), SPARE_BOX) };
+    }
+    buf
+}
 
 /// A window onto memory the engine does not own: a range of a collective's own buffers, used
 /// so that large collective transfers skip a copy into scratch memory.
@@ -465,7 +544,9 @@ pub(crate) fn block(cell: &OpCell, deadline: Instant) -> bool {
 mod spare_tests {
     use std::sync::Arc;
 
-    use super::{OpCell, Status, Ticket};
+    use super::{
+        boxed, unboxed, BoxBuf, OpCell, Status, Ticket, WireBuf, SPARE_BOXES, SPARE_BOXES_MAX,
+    };
     use crate::call::{Envelope, Fingerprint};
     use crate::dtype::DType;
 
@@ -526,6 +607,62 @@ mod spare_tests {
             None,
         );
         assert!(!next.is_done());
+    }
+
+    /// The address of the buffer a boxed `B` lies in.
+    fn address(b: &BoxBuf) -> *const u8 {
+        (&**b as *const dyn WireBuf).cast()
+    }
+
+    #[test]
+    fn a_buffer_taken_out_of_its_box_leaves_the_box_for_the_next() {
+        let first = boxed(vec![7i32; 3]);
+        let at = address(&first);
+        let any = first.into_any().downcast::<Vec<i32>>().ok();
+        let back = any.map(unboxed);
+        assert_eq!(back, Some(vec![7i32; 3]), "the buffer changed on its way");
+        // An allocation of the same size in between would take a freed box (the allocator
+        // hands out the chunk it got back last), not a kept one.
+        let decoy = Box::new([0u64; 3]);
+        // Another element type: a `Vec` all the same.
+        let next = boxed(vec![1u8, 2]);
+        assert_ne!(decoy.as_ptr().cast(), at);
+        assert_eq!(address(&next), at, "the spare box was not reused");
+        assert_eq!(next.bytes(), &[1, 2]);
+        drop(next);
+        // A buffer of another layout is boxed and unboxed as usual.
+        let wide = boxed(Wide([3; 40]));
+        assert_ne!(address(&wide), at, "a box of another layout was reused");
+        assert_eq!(wide.bytes(), &[3; 40]);
+    }
+
+    /// A buffer whose layout is not a `Vec`'s.
+    struct Wide([u8; 40]);
+
+    impl WireBuf for Wide {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+            self
+        }
+    }
+
+    #[test]
+    fn spare_boxes_are_bounded() {
+        let boxes: Vec<_> = (0..2 * SPARE_BOXES_MAX)
+            .map(|i| boxed(vec![i as i64]))
+            .collect();
+        for b in boxes {
+            if let Ok(v) = b.into_any().downcast::<Vec<i64>>() {
+                unboxed(v);
+            }
+        }
+        let kept = SPARE_BOXES.with(|s| s.borrow().0.len());
+        assert_eq!(kept, SPARE_BOXES_MAX);
     }
 }
 

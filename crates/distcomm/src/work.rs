@@ -17,8 +17,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 pub use crate::completion::Status;
-use crate::completion::Ticket;
-pub(crate) use crate::completion::{BoxBuf, Deadline, Driver, OpCell, WireBuf};
+pub(crate) use crate::completion::{boxed, BoxBuf, Deadline, Driver, OpCell, WireBuf};
+use crate::completion::{unboxed, Ticket};
 use crate::error::{Error, Result};
 
 /// A receive buffer that takes the length of the message that matches it (a whole number of
@@ -362,7 +362,7 @@ impl<B: 'static> Work<B> {
             }
         };
         match any.downcast::<B>() {
-            Ok(b) => Ok(*b),
+            Ok(b) => Ok(unboxed(b)),
             Err(_) => Err(Error::Aborted {
                 op: self.op,
                 rank: self.driver.rank(),

@@ -12,7 +12,7 @@ use crate::call::Fingerprint;
 use crate::copy::copy;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::work::{BoxBuf, Status, Work};
+use crate::work::{boxed, BoxBuf, Status, Work};
 
 impl Inner {
     /// Posts a send to group rank `dst`; `env.ctx` is relative to the group's contexts.
@@ -131,20 +131,20 @@ impl ProcessGroup {
     /// # Ok(()) }
     /// ```
     pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Result<Work<Vec<T>>> {
-        self.user_send("isend", Box::new(buf), T::DTYPE, dst, tag)
+        self.user_send("isend", boxed(buf), T::DTYPE, dst, tag)
     }
 
     /// Starts receiving into `buf` from `src`; returns at once. A message longer than `buf` fails
     /// both sides with [`Error::MessageTooLarge`]; a shorter one fills a prefix (the status says
     /// how many bytes).
     pub fn irecv<T: Element>(&self, buf: Vec<T>, src: usize, tag: u32) -> Result<Work<Vec<T>>> {
-        self.user_recv("irecv", Box::new(buf), T::DTYPE, Some(src), tag)
+        self.user_recv("irecv", boxed(buf), T::DTYPE, Some(src), tag)
     }
 
     /// Like [`irecv`](Self::irecv) from whichever rank sends first with `tag`; the status names
     /// the source. World group only.
     pub fn irecv_any<T: Element>(&self, buf: Vec<T>, tag: u32) -> Result<Work<Vec<T>>> {
-        self.user_recv("irecv", Box::new(buf), T::DTYPE, None, tag)
+        self.user_recv("irecv", boxed(buf), T::DTYPE, None, tag)
     }
 
     /// Starts sending memory lent by another runtime (a torch tensor, say) as elements of
@@ -157,7 +157,7 @@ impl ProcessGroup {
         tag: u32,
     ) -> Result<Work<crate::Lent>> {
         self.check_lent("isend", &buf, dtype)?;
-        self.user_send("isend", Box::new(buf), dtype, dst, tag)
+        self.user_send("isend", boxed(buf), dtype, dst, tag)
     }
 
     /// Starts receiving into lent memory from `src` (`None`: any source, world group only);
@@ -170,7 +170,7 @@ impl ProcessGroup {
         tag: u32,
     ) -> Result<Work<crate::Lent>> {
         self.check_lent("irecv", &buf, dtype)?;
-        self.user_recv("irecv", Box::new(buf), dtype, src, tag)
+        self.user_recv("irecv", boxed(buf), dtype, src, tag)
     }
 
     fn check_lent(&self, op: &'static str, buf: &crate::Lent, dtype: DType) -> Result<()> {
@@ -189,12 +189,12 @@ impl ProcessGroup {
 
     /// Sends raw bytes (element type `bytes`).
     pub fn isend_bytes(&self, buf: Vec<u8>, dst: usize, tag: u32) -> Result<Work<Vec<u8>>> {
-        self.user_send("isend", Box::new(buf), DType::Bytes, dst, tag)
+        self.user_send("isend", boxed(buf), DType::Bytes, dst, tag)
     }
 
     /// Receives raw bytes; accepts a message of any element type.
     pub fn irecv_bytes(&self, buf: Vec<u8>, src: usize, tag: u32) -> Result<Work<Vec<u8>>> {
-        self.user_recv("irecv", Box::new(buf), DType::Bytes, Some(src), tag)
+        self.user_recv("irecv", boxed(buf), DType::Bytes, Some(src), tag)
     }
 
     /// Blocking send of a slice (copied once into an owned buffer; use [`isend`](Self::isend)
@@ -248,14 +248,14 @@ impl ProcessGroup {
             return r;
         }
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.inner.post_recv(env, Box::new(buf), Some(src))?;
+        let w = self.inner.post_recv(env, boxed(buf), Some(src))?;
         finish_recv(w, out, timeout)
     }
 
     /// Blocking receive from any source (world group only).
     pub fn recv_any<T: Element>(&self, out: &mut [T], tag: u32) -> Result<Status> {
         let buf = vec![T::zeroed(); out.len()];
-        let w = self.user_recv("recv", Box::new(buf), T::DTYPE, None, tag)?;
+        let w = self.user_recv("recv", boxed(buf), T::DTYPE, None, tag)?;
         finish_recv(w, out, self.timeout())
     }
 

@@ -14,7 +14,7 @@ use crate::call::{Call, CallKind};
 use crate::commslog::count_sent;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::work::{wait_all, Pending, Work};
+use crate::work::{boxed, wait_all, Pending, Work};
 
 impl Inner {
     /// An equal all_to_all of byte blocks produced one at a time: `produce(d, block)` writes the
@@ -123,7 +123,7 @@ impl Inner {
             let q = (me + n - i) % n;
             for range in pieces(per) {
                 let buf: Vec<u8> = self.pool.take_len(range.len());
-                recvs.push((q, range, self.post_recv(env, Box::new(buf), Some(q))?));
+                recvs.push((q, range, self.post_recv(env, boxed(buf), Some(q))?));
             }
         }
         let mut sends: Vec<Work<Vec<u8>>> = Vec::new();

@@ -25,7 +25,7 @@ use crate::backend::{typed, typed_mut, with_dtype, Coll, CollCall, CTX_COLL};
 use crate::call::Call;
 use crate::call::Envelope;
 use crate::commslog::count_sent;
-use crate::completion::{Deadline, RawView};
+use crate::completion::{boxed, Deadline, RawView};
 use crate::copy::copy;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -315,7 +315,7 @@ impl Run<'_> {
                         // so whatever the pooled buffer held need not be cleared first.
                         let buf: Vec<T> = self.pool.take_len(range.len());
                         let w: Work<Vec<T>> =
-                            self.b.post_recv(env, Box::new(buf), *peer, self.timeout)?;
+                            self.b.post_recv(env, boxed(buf), *peer, self.timeout)?;
                         recvs.push((w, range.clone(), *reduce));
                     }
                     Step::Send { peer, space, range } => {
@@ -340,7 +340,7 @@ impl Run<'_> {
                         }
                         let buf: Vec<T> = self.pool.copy_of(src);
                         let w: Work<Vec<T>> =
-                            self.b.post_send(env, Box::new(buf), *peer, self.timeout)?;
+                            self.b.post_send(env, boxed(buf), *peer, self.timeout)?;
                         // A small send of a collective completes once written (no
                         // acknowledgement: a receiver that refuses it cancels the collective on
                         // every rank); nothing to wait for. Written at once (the usual case),

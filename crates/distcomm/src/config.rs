@@ -35,6 +35,9 @@ pub const SHM_CMA: &str = "DISTCOMM_SHM_CMA";
 /// `DISTCOMM_SHM_SHARED_CACHES`: whether the ranks of a host share a core's caches, `1` or
 /// `0`; unset or `auto`, the arena measures it at set-up.
 pub const SHM_SHARED_CACHES: &str = "DISTCOMM_SHM_SHARED_CACHES";
+/// `DISTCOMM_SHM_STREAM`: whether large copies into the arena's slots take non-temporal
+/// stores, `1` or `0`; unset or `auto`, the arena measures it at set-up.
+pub const SHM_STREAM: &str = "DISTCOMM_SHM_STREAM";
 /// `DISTCOMM_SHM_EAGER_MAX`: largest message sent through the ring, bytes.
 pub const SHM_EAGER_MAX: &str = "DISTCOMM_SHM_EAGER_MAX";
 /// `DISTCOMM_SPIN_US`: how long waiters spin before they sleep, microseconds.
@@ -66,7 +69,7 @@ pub const DEBUG: &str = "DISTCOMM_DEBUG";
 pub const DEBUG_SUBSYS: &str = "DISTCOMM_DEBUG_SUBSYS";
 
 /// Every variable this module reads (the README's environment table lists each).
-pub const VARS: [&str; 23] = [
+pub const VARS: [&str; 24] = [
     BACKEND,
     TIMEOUT,
     SECRET,
@@ -76,6 +79,7 @@ pub const VARS: [&str; 23] = [
     SHM_RING,
     SHM_CMA,
     SHM_SHARED_CACHES,
+    SHM_STREAM,
     SHM_EAGER_MAX,
     SPIN_US,
     EAGER_MAX,
@@ -208,6 +212,8 @@ pub(crate) struct Config {
     pub shm_cma: bool,
     /// `None`: measured (`auto`).
     pub shm_shared_caches: Option<bool>,
+    /// `None`: measured (`auto`).
+    pub shm_stream: Option<bool>,
     pub shm_eager_max: Option<usize>,
     pub spin: Option<Duration>,
     pub eager_max: Option<usize>,
@@ -303,6 +309,15 @@ impl Reader<'_> {
         }
     }
 
+    /// A yes/no setting that may be left to a measurement: unset or `auto` is `None`.
+    fn auto_flag(&self, var: &'static str) -> Result<Option<bool>> {
+        match self.raw(var) {
+            Some(v) if v.trim().eq_ignore_ascii_case("auto") => Ok(None),
+            Some(_) => self.flag(var).map(Some),
+            None => Ok(None),
+        }
+    }
+
     fn seconds(&self, var: &'static str) -> Result<Option<Duration>> {
         match self.raw(var) {
             Some(v) => v
@@ -357,11 +372,8 @@ impl Reader<'_> {
             host: self.host()?,
             shm_ring: self.bytes(SHM_RING)?,
             shm_cma: self.off_switch(SHM_CMA)?,
-            shm_shared_caches: match self.raw(SHM_SHARED_CACHES) {
-                Some(v) if v.trim().eq_ignore_ascii_case("auto") => None,
-                Some(_) => Some(self.flag(SHM_SHARED_CACHES)?),
-                None => None,
-            },
+            shm_shared_caches: self.auto_flag(SHM_SHARED_CACHES)?,
+            shm_stream: self.auto_flag(SHM_STREAM)?,
             shm_eager_max: self.bytes(SHM_EAGER_MAX)?,
             spin: self
                 .u64(SPIN_US, "a whole number of microseconds")?
@@ -427,6 +439,7 @@ mod tests {
             (HOST, "10.0.0.7"),
             (SHM_CMA, "0"),
             (SHM_SHARED_CACHES, "yes"),
+            (SHM_STREAM, "off"),
             (SHM_ALLREDUCE, "0"),
             (SPIN_US, "50"),
             (EAGER_MAX, " 4096 "),
@@ -450,6 +463,8 @@ mod tests {
         assert_eq!(c.shm_arena_chunk, Some(128 << 10));
         assert_eq!(c.data_chunk, Some(2 << 20));
         assert_eq!(c.shm_shared_caches, Some(true));
+        assert_eq!(c.shm_stream, Some(false));
+        assert_eq!(with(&[(SHM_STREAM, "auto")]).unwrap().shm_stream, None);
         let auto = with(&[(SHM_SHARED_CACHES, " Auto ")]).unwrap();
         assert_eq!(auto.shm_shared_caches, None);
         assert_eq!(
@@ -467,6 +482,7 @@ mod tests {
         assert!(rejected(STORE_AUTH, "maybe").1.starts_with("1 or 0"));
         assert!(rejected(COMMS_LOG, "verbose").1.starts_with("1 or 0"));
         assert!(rejected(SHM_SHARED_CACHES, "some").1.starts_with("1 or 0"));
+        assert!(rejected(SHM_STREAM, "always").1.starts_with("1 or 0"));
         assert!(rejected(HOST, "node0").1.contains("IP address"));
         assert!(rejected(SPIN_US, "2ms").1.contains("microseconds"));
         assert_eq!(rejected(SHM_CMA, "off").1, OFF_SWITCH);

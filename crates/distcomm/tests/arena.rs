@@ -56,6 +56,43 @@ fn arena_collectives_in_small_slots() {
     );
 }
 
+/// The same through the slots (no cross-memory copies) with large copies streamed
+/// (non-temporal stores), whichever the arena would measure on the machine that runs it
+/// (`DISTCOMM_SHM_STREAM`); also a large all_reduce, whose chunks stream too.
+#[test]
+fn arena_collectives_streamed() {
+    let env = [("DISTCOMM_SHM_CMA", "0"), ("DISTCOMM_SHM_STREAM", "1")];
+    run_native_env(
+        "arena_collectives_streamed",
+        &[2, 3],
+        &env,
+        slots_collectives,
+    );
+}
+
+/// The same with ordinary stores only.
+#[test]
+fn arena_collectives_not_streamed() {
+    let env = [("DISTCOMM_SHM_CMA", "0"), ("DISTCOMM_SHM_STREAM", "0")];
+    run_native_env(
+        "arena_collectives_not_streamed",
+        &[2, 3],
+        &env,
+        slots_collectives,
+    );
+}
+
+/// [`arena_collectives`] and an all_reduce of 4 MiB and a little more.
+fn slots_collectives(g: &ProcessGroup) {
+    arena_collectives(g);
+    let (n, r) = (g.size(), g.rank());
+    let len = (1 << 20) + 77;
+    let mut x: Vec<f32> = (0..len).map(|i| (r * 3 + i % 1009) as f32).collect();
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    let want = |i: usize| (0..n).map(|q| (q * 3 + i % 1009) as f32).sum::<f32>();
+    assert!((0..len).all(|i| x[i] == want(i)), "all_reduce");
+}
+
 /// A root whose small broadcasts need nobody to wait for runs ahead of the others, by more
 /// calls than the arena has control lines: it must wait for the slowest before it writes a
 /// line again, and every rank still gets every call's value, in order (a rank that sleeps now

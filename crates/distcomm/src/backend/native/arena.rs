@@ -172,6 +172,9 @@ pub(crate) struct Arena {
     /// Where the ranks run relative to rank 0, as measured at set-up (the same on every rank:
     /// see `setup.rs`).
     caches: Caches,
+    /// Whether large copies into the slots bypass the caches (see [`Arena::streams`]), as rank
+    /// 0 decided at set-up.
+    streams: bool,
 }
 
 /// Whose parts a rank reads in one [`Arena::exchange`] step, and so waits for.
@@ -232,14 +235,14 @@ impl<'a> Wait<'a> {
 
 impl Arena {
     /// Wraps a mapped region of [`arena_len`]`(n, chunk)` bytes (initialised by its creator), for
-    /// rank `me` of `members`, with the process ids of direct steps (`pids`) and whether the
-    /// ranks share a core's caches, as every rank agreed at set-up.
+    /// rank `me` of `members`, with the process ids of direct steps (`pids`), where the ranks
+    /// run and whether large copies stream, as every rank agreed at set-up.
     fn new(
         region: Region,
         (me, members): (usize, Arc<Vec<usize>>),
         chunk: usize,
         cfg: &ArenaConfig,
-        (pids, caches): (Option<Vec<i32>>, Caches),
+        (pids, caches, streams): (Option<Vec<i32>>, Caches, bool),
     ) -> Arena {
         let seen = (0..members.len()).map(|_| AtomicU64::new(0)).collect();
         Arena {
@@ -259,6 +262,7 @@ impl Arena {
             seen,
             pids,
             caches,
+            streams,
         }
     }
 
@@ -633,14 +637,15 @@ impl Arena {
     }
 
     /// Whether large copies into the slots, and reductions into the result, bypass the caches
-    /// (non-temporal stores, `copy::copy_bytes_streaming`): where the ranks are apart, or
-    /// outnumber the cores (so that some read from another core, and where is not known: see
-    /// `setup`). Each line there was read last by other ranks; where they run on another core
-    /// that shares no cache with ours, an ordinary store must first take the line back from
-    /// it, which costs more than the copy. See `all_reduce::STREAM_PIECE` and
-    /// `intranode::stream_part` for what was measured.
+    /// (non-temporal stores, `copy::copy_bytes_streaming`). Each line there was read last by
+    /// other ranks; where they run on another core and an ordinary store must take the line
+    /// back from a cache of theirs that shares nothing with ours, that costs more than the
+    /// copy; where the cores share a last-level cache, the line comes from there and streaming
+    /// to memory costs more instead. Set-up decides by measuring both (`setup::streaming`),
+    /// where the ranks are apart or outnumber the cores; where they share a core's caches or
+    /// are near, never. See `all_reduce::STREAM_PIECE` and `intranode::stream_part`.
     pub(crate) fn streams(&self) -> bool {
-        self.oversubscribed || self.caches == Caches::Apart
+        self.streams
     }
 
     /// Bytes a rank can put into the arena in one [`exchange`](Self::exchange).

@@ -80,6 +80,9 @@ pub(crate) struct ArenaConfig {
     pub cma: bool,
     /// Whether the ranks share a core's caches; `None`: measured at set-up.
     pub shared_caches: Option<bool>,
+    /// Whether large copies into the slots stream (`Arena::streams`); `None`: measured at
+    /// set-up.
+    pub stream: Option<bool>,
 }
 
 /// One group on the native engine.

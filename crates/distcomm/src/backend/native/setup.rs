@@ -89,6 +89,7 @@ impl Native<'_> {
             max_bytes: env.shm_allreduce_max.unwrap_or(usize::MAX),
             cma: env.shm_cma,
             shared_caches: env.shm_shared_caches,
+            stream: env.shm_stream,
         };
         let arena = arena::establish(store, rank, members.clone(), all_shm, &arena_cfg)?;
         let state = State {

@@ -102,23 +102,21 @@ pub(crate) fn establish(
     };
     // Where the ranks run only matters to the direct steps and to streaming (see
     // `Arena::streams`), and cannot be told when they outnumber the cores (a rank that waits
-    // for the core is no measure).
-    let caches = if pids.is_some() && !crowded {
-        let probe = Probe {
-            region: &region,
-            at: data_base(n),
-            len: PROBE_BYTES.min(chunk),
-            root_pid: pids.as_ref().and_then(|p| p.first().copied()).unwrap_or(0),
-        };
-        placement(store, &probe, (me, n), cfg.shared_caches)?
-    } else {
-        Caches::Apart
+    // for the core is no measure); streaming is measured there too, when ranks 0 and 1 turn out
+    // to run at once.
+    let probe = Probe {
+        region: &region,
+        at: data_base(n),
+        len: PROBE_BYTES.min(chunk),
+        root_pid: pids.as_ref().and_then(|p| p.first().copied()).unwrap_or(0),
     };
+    let measure_caches = pids.is_some() && !crowded;
+    let (caches, streams) = placement(store, &probe, (me, n), measure_caches, cfg)?;
     let cfg = ArenaConfig {
         oversubscribed: crowded,
         ..cfg.clone()
     };
-    let arena = Arena::new(region, (me, members), chunk, &cfg, (pids, caches));
+    let arena = Arena::new(region, (me, members), chunk, &cfg, (pids, caches, streams));
     Ok(Some(Arc::new(arena)))
 }
 
@@ -150,6 +148,9 @@ const PROBE_BYTES: usize = 256 << 10;
 const COPY_ROUNDS: u64 = 4;
 /// Marks a ping that asks for the copy probe (round `k` of it in the low bits).
 const COPY_PING: u64 = 1 << 31;
+/// With [`COPY_PING`]: the copy out of the slot only, no cross-memory copy (the streaming
+/// probe).
+const COPY_OUT_ONLY: u64 = 1 << 30;
 /// Rank 0's line: the address of its probe buffer, next to the ping.
 const OFF_PROBE_ADDR: usize = OFF_PING + 8;
 /// The other rank's line: its copy-out and cross-memory copy times (ns), next to the pong.
@@ -164,26 +165,35 @@ struct Probe<'a> {
     root_pid: i32,
 }
 
-/// Where the ranks run relative to rank 0: sharing its core's caches (the slots' two copies
+/// Where the ranks run relative to rank 0 (when `measure_caches`: every pair can copy across
+/// processes and ranks do not outnumber cores; else apart), and whether large copies into the
+/// slots stream ([`streaming`]). Where: sharing its core's caches (the slots' two copies
 /// pass through caches both ranks share, and beat one cross-memory copy by the kernel up to
 /// megabytes: see `intranode::SHARED_CACHES_DIRECT_MIN`), near it (a short round trip, yet the
 /// kernel's copy is the faster), or apart, measured by a cache line's round trip between rank 0
 /// and each other rank in turn, then by timing the two ways of copying (see [`PROBE_BYTES`]).
-/// The group is as far apart as its farthest rank. Rank 0 decides and announces it through
+/// The group is as far apart as its farthest rank. Rank 0 decides and announces both through
 /// the store, so every rank agrees whatever it measured; a rank that did not answer in time
-/// makes it [`Caches::Apart`] (the choice for ranks on cores of their own). `told`: the setting
-/// (`DISTCOMM_SHM_SHARED_CACHES`: shared or apart), of which only rank 0's counts: it announces
-/// it instead of measuring.
+/// makes it [`Caches::Apart`] (the choice for ranks on cores of their own). Rank 0's settings
+/// count, of `cfg.shared_caches` (`DISTCOMM_SHM_SHARED_CACHES`: shared or apart) and
+/// `cfg.stream` (`DISTCOMM_SHM_STREAM`): it announces them instead of measuring.
 fn placement(
     store: &dyn crate::rendezvous::Store,
     probe: &Probe<'_>,
     (me, n): (usize, usize),
-    told: Option<bool>,
-) -> Result<Caches> {
+    measure_caches: bool,
+    cfg: &ArenaConfig,
+) -> Result<(Caches, bool)> {
     let region = probe.region;
     let (ping, pong) = (region.word(OFF_PING), region.word(OFF_PONG));
     let done = region.word(OFF_DONE);
     if me == 0 {
+        // Streaming first: rank 1 answers for a limited time, which the round trips with every
+        // other rank could use up.
+        let streamed = match cfg.stream {
+            Some(_) => None,
+            None => streaming(probe, (ping, pong)),
+        };
         let measured = || {
             (1..n).fold(Caches::Shared, |group, r| {
                 if group == Caches::Apart {
@@ -208,11 +218,17 @@ fn placement(
                 }
             })
         };
-        let caches = match told {
-            Some(true) => Caches::Shared,
-            Some(false) => Caches::Apart,
-            None => measured(),
+        let caches = match (measure_caches, cfg.shared_caches) {
+            (false, _) | (true, Some(false)) => Caches::Apart,
+            (true, Some(true)) => Caches::Shared,
+            (true, None) => measured(),
         };
+        // Where the ranks share a core's caches or are near, never (measured there: see
+        // `intranode::stream_part`); apart or crowded, as measured, and where that failed as
+        // on the hosts where it was chosen (cores without a shared last-level cache).
+        let streams = cfg
+            .stream
+            .unwrap_or(caches == Caches::Apart && streamed.unwrap_or(true));
         done.store(1, Ordering::Release);
         let word: &[u8] = match caches {
             Caches::Apart => b"apart",
@@ -220,14 +236,65 @@ fn placement(
             Caches::Shared => b"shared",
         };
         store.set("arena/caches", word)?;
-    } else {
+        store.set("arena/stream", if streams { b"1" } else { b"0" })?;
+    } else if measure_caches || me == 1 {
         answer(me as u64, probe, done);
     }
-    Ok(match store.get("arena/caches")?.as_slice() {
+    let caches = match store.get("arena/caches")?.as_slice() {
         b"shared" => Caches::Shared,
         b"near" => Caches::Near,
         _ => Caches::Apart,
-    })
+    };
+    Ok((caches, store.get("arena/stream")? == b"1"))
+}
+
+/// Rounds of the streaming probe per way (after [`STREAM_WARM`] of each not counted).
+const STREAM_ROUNDS: u64 = 5;
+const STREAM_WARM: u64 = 1;
+/// The streaming probe counts only where ranks 0 and 1 run at the same time: a median round
+/// trip under this (0.1-0.5 µs on two cores, against a time slice where they take turns).
+const RUNNING_RTT: Duration = Duration::from_micros(20);
+
+/// Rank 0's side of the streaming probe with rank 1: whether [`PROBE_BYTES`] go from rank 0
+/// to rank 1 through a slot faster with non-temporal stores than with ordinary ones, rank 0's
+/// copy into the slot plus rank 1's copy out of it (the slot's lines last read by rank 1, as
+/// an exchange step finds them), the medians over alternating rounds. `None` when rank 1 did
+/// not answer in time or the two do not run at once. Cores with caches of their own and no
+/// last-level cache in common (AMD EPYC VMs with their vCPUs apart) stream faster from 32 KiB
+/// on; cores that share one (Intel Xeon 5th gen VMs) do not: there an ordinary store takes the
+/// line from the shared cache, a streamed one sends it to memory, and the reader fetches it
+/// from there (all_reduce 64 KiB world 2 0.53x the streamed time, reduce world 4 0.43x, see
+/// `intranode::stream_part`).
+fn streaming(probe: &Probe<'_>, (ping, pong): (&AtomicU64, &AtomicU64)) -> Option<bool> {
+    let rtt = round_trip(1, ping, pong).filter(|&rtt| rtt < RUNNING_RTT)?;
+    let until = Instant::now() + PAIR_LIMIT;
+    let src = vec![1u8; probe.len];
+    let mut times = [Vec::new(), Vec::new()];
+    for k in 0..2 * (STREAM_WARM + STREAM_ROUNDS) {
+        let stream = k % 2 == 1;
+        let t = Instant::now();
+        {
+            // SAFETY: as in `time_ways`: the slots are unused until set-up ends, and rank 1
+            // reads these bytes only between the ping below and its pong.
+            let slot = unsafe { probe.region.view_mut::<u8>(probe.at, probe.len) };
+            crate::copy::copy_bytes_streaming_if(stream, slot, &src);
+        }
+        let copy_in = nanos(t.elapsed());
+        ping_pong(1 << 32 | COPY_PING | COPY_OUT_ONLY | k, (ping, pong), until)?;
+        if k >= 2 * STREAM_WARM {
+            let out = probe.region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
+            times[usize::from(stream)].push(copy_in.saturating_add(out));
+        }
+    }
+    let [mut plain, mut streamed] = times;
+    let (plain, streamed) = (median(&mut plain)?, median(&mut streamed)?);
+    tracing::debug!(
+        ?rtt,
+        plain,
+        streamed,
+        "arena: slots' copies with ordinary stores against non-temporal ones (ns)"
+    );
+    Some(streamed < plain)
 }
 
 /// Rank 0's side: the median of [`ROUNDS`] round trips with rank `r`, `None` when it did not
@@ -303,7 +370,7 @@ fn nanos(d: Duration) -> u64 {
 /// The other rank's side of one round of the copy probe: copies rank 0's bytes out of the slot,
 /// then straight from rank 0's buffer by cross-memory copy, and publishes both times (a failed
 /// cross-memory copy counts as never done: the slots' way then wins).
-fn time_copies_out(probe: &Probe<'_>, dst: &mut [u8]) {
+fn time_copies_out(probe: &Probe<'_>, dst: &mut [u8], cross: bool) {
     let region = probe.region;
     let t = Instant::now();
     {
@@ -314,29 +381,33 @@ fn time_copies_out(probe: &Probe<'_>, dst: &mut [u8]) {
     }
     let out = nanos(t.elapsed());
     let addr = region.word(OFF_PROBE_ADDR).load(Ordering::Relaxed);
+    region.word(OFF_PROBE_OUT).store(out, Ordering::Relaxed);
+    if !cross {
+        return;
+    }
     let t = Instant::now();
     let cma = match cma_read(probe.root_pid, addr, &mut dst[..probe.len]) {
         Ok(()) => nanos(t.elapsed()),
         Err(_) => u64::MAX,
     };
-    region.word(OFF_PROBE_OUT).store(out, Ordering::Relaxed);
     region.word(OFF_PROBE_CMA).store(cma, Ordering::Relaxed);
 }
 
 /// Another rank's side: echoes rank 0's pings to it (reading the copy probe's bytes first when
-/// the ping asks for it) until rank 0 is done with every rank, or for `me + 1` times
-/// [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the ranks before it for at most
-/// twice [`PAIR_LIMIT`] each; when it comes later, it decides without this rank: apart).
+/// the ping asks for it) until rank 0 is done with every rank, or for `me + 2` times
+/// [`PAIR_LIMIT`] from its arrival at most (rank 0 tries the streaming probe with rank 1 and
+/// the ranks before it for at most twice [`PAIR_LIMIT`] each; when it comes later, it decides
+/// without this rank: apart).
 fn answer(me: u64, probe: &Probe<'_>, done: &AtomicU64) {
     let (ping, pong) = (probe.region.word(OFF_PING), probe.region.word(OFF_PONG));
     let mut dst = vec![0u8; probe.len];
-    let until = Instant::now() + 2 * PAIR_LIMIT * u32::try_from(me + 1).unwrap_or(u32::MAX);
+    let until = Instant::now() + 2 * PAIR_LIMIT * u32::try_from(me + 2).unwrap_or(u32::MAX);
     let mut turns = 0u32;
     while done.load(Ordering::Acquire) == 0 {
         let word = ping.load(Ordering::Acquire);
         if word >> 32 == me && pong.load(Ordering::Relaxed) != word {
             if word & COPY_PING != 0 {
-                time_copies_out(probe, &mut dst);
+                time_copies_out(probe, &mut dst, word & COPY_OUT_ONLY == 0);
             }
             pong.store(word, Ordering::Release);
         }

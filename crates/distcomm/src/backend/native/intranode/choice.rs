@@ -152,9 +152,10 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// Whether a copy of `len` bytes into a rank's part of an exchange step (a broadcast's piece,
 /// a gather's or all_gather's, a scatter's input, an all_to_all's block, a reduction's input)
 /// takes non-temporal stores (`copy::copy_bytes_streaming`): from [`STREAM_PART_MIN`] where
-/// the arena streams ([`Arena::streams`]: ranks apart, or outnumbering the cores; the readers
-/// of the part then run on another core, whose cache an ordinary store must first take each
-/// line back from).
+/// the arena streams ([`Arena::streams`]: ranks apart, or outnumbering the cores, where set-up
+/// measured streaming the faster; the readers of the part then run on another core, whose
+/// cache an ordinary store must first take each line back from, unless the two share a
+/// last-level cache).
 /// Measured on 2 cores in alternating runs (µs, non-temporal against ordinary stores), the
 /// two vCPUs apart: all_to_all world 8, blocks of 32 KiB 114-144 against 291-295, 128 KiB
 /// 352-418 against 1147-1155, 512 KiB 1400-1463 against 4018-4721 (Open MPI 470-590 at
@@ -168,7 +169,10 @@ pub(in crate::backend::native) const ALL_TO_ALL_MAX: usize = 4 << 20;
 /// One-step reductions trade: world 3 reduce_scatter apart 64 KiB 17 against 29-31, 1 MiB
 /// 170-175 against 400-407, reduce 64 KiB 21 against 29-60, near 17 against 12, 182 against
 /// 111, 17 against 9 (Open MPI's world 3 reduce of 64 KiB: 20 µs); so the slower placement
-/// comes nearer the faster.
+/// comes nearer the faster. (All of this on AMD EPYC VMs. On an Intel Xeon 5th gen VM, whose
+/// two vCPUs are apart but share the last-level cache, ordinary stores won instead, world 4 on
+/// 2 cores: reduce 64 KiB 0.43x the streamed time, all_to_all 64 KiB 0.59x, gather 1 MiB 0.51x,
+/// reduce_scatter 1 MiB 0.62x; set-up's probe finds that out, see `arena/setup.rs`.)
 /// all_to_all blocks stream from [`STREAM_ALL_TO_ALL_MIN`].
 pub(super) fn stream_part(arena: &Arena, len: usize, all_to_all: bool) -> bool {
     let min = match all_to_all {

@@ -272,18 +272,10 @@ fn streaming(probe: &Probe<'_>, (ping, pong): (&AtomicU64, &AtomicU64)) -> Optio
     let mut times = [Vec::new(), Vec::new()];
     for k in 0..2 * (STREAM_WARM + STREAM_ROUNDS) {
         let stream = k % 2 == 1;
-        let t = Instant::now();
-        {
-            // SAFETY: as in `time_ways`: the slots are unused until set-up ends, and rank 1
-            // reads these bytes only between the ping below and its pong.
-            let slot = unsafe { probe.region.view_mut::<u8>(probe.at, probe.len) };
-            crate::copy::copy_bytes_streaming_if(stream, slot, &src);
-        }
-        let copy_in = nanos(t.elapsed());
-        ping_pong(1 << 32 | COPY_PING | COPY_OUT_ONLY | k, (ping, pong), until)?;
+        let word = COPY_PING | COPY_OUT_ONLY | k;
+        let way = slot_round(probe, &src, (1, word, stream), (ping, pong), until)?;
         if k >= 2 * STREAM_WARM {
-            let out = probe.region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
-            times[usize::from(stream)].push(copy_in.saturating_add(out));
+            times[usize::from(stream)].push(way);
         }
     }
     let [mut plain, mut streamed] = times;
@@ -331,31 +323,46 @@ fn ping_pong(word: u64, (ping, pong): (&AtomicU64, &AtomicU64), until: Instant) 
 /// answer within [`PAIR_LIMIT`].
 fn time_ways(probe: &Probe<'_>, r: u64, ping: &AtomicU64, pong: &AtomicU64) -> Option<(u64, u64)> {
     let until = Instant::now() + PAIR_LIMIT;
-    let region = probe.region;
     // The same buffer every round, as a benchmark's (or a training step's reused tensor).
     let src = vec![1u8; probe.len];
     let (mut slots, mut cma) = (Vec::new(), Vec::new());
     for k in 0..COPY_ROUNDS {
-        let t = Instant::now();
-        {
-            // SAFETY: the slots are unused until set-up ends, and no other rank reads these
-            // bytes before the ping below (rank `r` reads them between it and its pong; every
-            // other rank only answers pings meant for it).
-            let slot = unsafe { region.view_mut::<u8>(probe.at, probe.len) };
-            crate::copy::copy_bytes(slot, &src);
-        }
-        let copy_in = nanos(t.elapsed());
-        region
-            .word(OFF_PROBE_ADDR)
-            .store(src.as_ptr() as u64, Ordering::Relaxed);
-        ping_pong(r << 32 | COPY_PING | k, (ping, pong), until)?;
+        let way = slot_round(probe, &src, (r, COPY_PING | k, false), (ping, pong), until)?;
         if k > 0 {
-            let out = region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
-            slots.push(copy_in.saturating_add(out));
-            cma.push(region.word(OFF_PROBE_CMA).load(Ordering::Relaxed));
+            slots.push(way);
+            cma.push(probe.region.word(OFF_PROBE_CMA).load(Ordering::Relaxed));
         }
     }
     Some((median(&mut slots)?, median(&mut cma)?))
+}
+
+/// One round of a copy probe with rank `r` (`(r, word, stream)`): rank 0 copies `src` into the
+/// slot (with non-temporal stores when `stream`), publishes `src`'s address, pings with `word`
+/// and waits for `r`'s answer. Its own copy's time plus `r`'s copy out of the slot, in ns;
+/// `None` when `r` did not answer before `until`.
+fn slot_round(
+    probe: &Probe<'_>,
+    src: &[u8],
+    (r, word, stream): (u64, u64, bool),
+    (ping, pong): (&AtomicU64, &AtomicU64),
+    until: Instant,
+) -> Option<u64> {
+    let region = probe.region;
+    let t = Instant::now();
+    {
+        // SAFETY: the slots are unused until set-up ends, and no other rank reads these
+        // bytes before the ping below (rank `r` reads them between it and its pong; every
+        // other rank only answers pings meant for it).
+        let slot = unsafe { region.view_mut::<u8>(probe.at, probe.len) };
+        crate::copy::copy_bytes_streaming_if(stream, slot, src);
+    }
+    let copy_in = nanos(t.elapsed());
+    region
+        .word(OFF_PROBE_ADDR)
+        .store(src.as_ptr() as u64, Ordering::Relaxed);
+    ping_pong(r << 32 | word, (ping, pong), until)?;
+    let out = region.word(OFF_PROBE_OUT).load(Ordering::Relaxed);
+    Some(copy_in.saturating_add(out))
 }
 
 fn median(v: &mut [u64]) -> Option<u64> {

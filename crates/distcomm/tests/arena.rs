@@ -147,60 +147,77 @@ fn arena_root_running_ahead_reuses_no_line_too_early() {
 /// hang or a wrong result.
 #[test]
 fn arena_large_all_reduce_on_own_cores() {
+    let env = [ON_OWN_CORES, ("DISTCOMM_SHM_STREAM", "1")];
     run_native_env(
         "arena_large_all_reduce_on_own_cores",
         &[2, 3],
-        &[ON_OWN_CORES],
-        |g: &ProcessGroup| {
-            if g.transport() != "shm" {
-                return;
-            }
-            let (n, r) = (g.size(), g.rank());
-            let len = (32 << 20) / 4 + 7;
-            let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
-            let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
-            g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-            let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
-            assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
-            let mut ints = vec![10 * (r as i64 + 1); (32 << 20) / 8 + 3];
-            g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
-            let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
-            assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
-            let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (32 << 20) / 2 + 1];
-            g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
-            let exact: f32 = (1..=n)
-                .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
-                .sum();
-            let want = bf16::from_f32(exact);
-            assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
-            // A reduce (on two ranks a direct step from 32 KiB): the root gets the result, the
-            // others' buffers stay as they were.
-            let mut z: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
-            g.reduce(&mut z, n - 1, ReduceOp::Max).unwrap();
-            let want = |i: usize| match r == n - 1 {
-                true => (0..n).map(|q| val(q, i)).fold(f32::MIN, f32::max),
-                false => val(r, i),
-            };
-            let bad = (0..len).find(|&i| z[i] != want(i));
-            assert_eq!(bad, None, "rank {r}: reduce differs at element {bad:?}");
-            let mut small = vec![(r + 1) as i64; 5000];
-            g.reduce(&mut small, 0, ReduceOp::Sum).unwrap();
-            let want = if r == 0 {
-                (n * (n + 1) / 2) as i64
-            } else {
-                1 + r as i64
-            };
-            assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
-            let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
-            let mut y = vec![1f32; 8 << 20];
-            let t = std::time::Instant::now();
-            match g.all_reduce(&mut y, op) {
-                Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
-                other => panic!("rank {r}: expected a desync, got {other:?}"),
-            }
-            assert!(t.elapsed() < std::time::Duration::from_secs(5));
-        },
+        &env,
+        large_all_reduce,
     );
+}
+
+/// The same where ordinary stores beat streaming ones (cores sharing their last-level cache):
+/// world 2 all_reduces from 2 MiB (but those of 16-bit floats) take two direct steps instead.
+#[test]
+fn arena_large_all_reduce_by_direct_steps() {
+    let env = [ON_OWN_CORES, ("DISTCOMM_SHM_STREAM", "0")];
+    run_native_env(
+        "arena_large_all_reduce_by_direct_steps",
+        &[2],
+        &env,
+        large_all_reduce,
+    );
+}
+
+/// The body of [`arena_large_all_reduce_on_own_cores`].
+fn large_all_reduce(g: &ProcessGroup) {
+    if g.transport() != "shm" {
+        return;
+    }
+    let (n, r) = (g.size(), g.rank());
+    let len = (32 << 20) / 4 + 7;
+    let val = |q: usize, i: usize| ((q * 7 + i * 13) % 1000) as f32;
+    let mut x: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    let bad = (0..len).find(|&i| x[i] != (0..n).map(|q| val(q, i)).sum::<f32>());
+    assert_eq!(bad, None, "rank {r}: sum differs at element {bad:?}");
+    let mut ints = vec![10 * (r as i64 + 1); (32 << 20) / 8 + 3];
+    g.all_reduce(&mut ints, ReduceOp::Avg).unwrap();
+    let want = 10 * (1..=n as i64).sum::<i64>() / n as i64;
+    assert!(ints.iter().all(|&v| v == want), "{:?}", &ints[..4]);
+    let mut halves = vec![bf16::from_f32(0.1 * (r as f32 + 1.0)); (32 << 20) / 2 + 1];
+    g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
+    let exact: f32 = (1..=n)
+        .map(|q| bf16::from_f32(0.1 * q as f32).to_f32())
+        .sum();
+    let want = bf16::from_f32(exact);
+    assert!(halves.iter().all(|&v| v == want), "{:?}", &halves[..4]);
+    // A reduce (on two ranks a direct step from 32 KiB): the root gets the result, the
+    // others' buffers stay as they were.
+    let mut z: Vec<f32> = (0..len).map(|i| val(r, i)).collect();
+    g.reduce(&mut z, n - 1, ReduceOp::Max).unwrap();
+    let want = |i: usize| match r == n - 1 {
+        true => (0..n).map(|q| val(q, i)).fold(f32::MIN, f32::max),
+        false => val(r, i),
+    };
+    let bad = (0..len).find(|&i| z[i] != want(i));
+    assert_eq!(bad, None, "rank {r}: reduce differs at element {bad:?}");
+    let mut small = vec![(r + 1) as i64; 5000];
+    g.reduce(&mut small, 0, ReduceOp::Sum).unwrap();
+    let want = if r == 0 {
+        (n * (n + 1) / 2) as i64
+    } else {
+        1 + r as i64
+    };
+    assert!(small.iter().all(|&v| v == want), "{:?}", &small[..4]);
+    let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
+    let mut y = vec![1f32; 8 << 20];
+    let t = std::time::Instant::now();
+    match g.all_reduce(&mut y, op) {
+        Err(Error::Desync { .. } | Error::Aborted { .. }) => {}
+        other => panic!("rank {r}: expected a desync, got {other:?}"),
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
 }
 
 /// A subgroup whose members share a host sets up an arena of its own at its first collective

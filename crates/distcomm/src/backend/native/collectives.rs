@@ -238,9 +238,16 @@ impl Run<'_> {
         let s = self.exchange::<T>(call, &fp, tag);
         // What this rank puts into the shared arena is what it "sends". 16-bit floats go in at
         // their own width; the arena reduces them in f32, divides averages and rounds once.
-        chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
-        let whole = 0..buf.len();
-        arena.all_reduce(&s, (&mut *buf, whole), op).map(|()| {
+        let done = if super::intranode::direct_all_reduce_worth_it::<T>(arena, size_of_val(buf)) {
+            let algo = "shared-memory arena, direct copies";
+            chose(&call.algo(algo), T::DTYPE, self.rank, n, 2);
+            self.direct_all_reduce(arena, &s, buf, op)
+        } else {
+            chose(&call.algo("shared-memory arena"), T::DTYPE, self.rank, n, 1);
+            let whole = 0..buf.len();
+            arena.all_reduce(&s, (&mut *buf, whole), op)
+        };
+        done.map(|()| {
             count_sent(size_of_val(buf));
             if op == ReduceOp::Avg && !T::WIDENS {
                 T::finish_avg(buf, n);

@@ -224,6 +224,50 @@ impl Run<'_> {
         }
     }
 
+    /// all_reduce by two direct steps of `arena` (`s`: the call; see
+    /// [`direct_all_reduce_worth_it`]): every rank reads its share (`chunks(len, n)[me]`) of
+    /// every other rank's buffer across processes, piece by piece, and combines them in rank
+    /// order into its own buffer; then reads every other rank's reduced share into its buffer.
+    /// Two cross-memory copies of (n − 1)/n of the buffer and one pass of reduction per rank,
+    /// against the slots' copy in, reduction and copy out of all of it. A rank only ever
+    /// writes its own buffer, and only where no other rank reads in that step: its share in the
+    /// first, the others' in the second (each step ends once every reader is done). Averages of
+    /// other types than 16-bit floats: the caller divides.
+    pub(super) fn direct_all_reduce<T: Reducible>(
+        &self,
+        arena: &Arena,
+        s: &Exchange<'_>,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me, name) = (self.size(), self.rank, s.op);
+        let size = size_of::<T>();
+        let shares = crate::algorithms::chunks(buf.len(), n);
+        let whole = Published::of(bytemuck::cast_slice(buf));
+        let piece = reduce_piece::<T>(n);
+        let mut scratch: Vec<T> = self.pool.take_len(n * piece);
+        let mine = shares[me].clone();
+        let mut reduce_share = |parts: &[Option<Remote>]| {
+            let share = (&mut *buf, mine.clone());
+            reduce_from(parts, share, (&mut scratch, piece), (op, name))
+        };
+        let all = (Reads::All, Reads::All);
+        let done = arena.exchange_direct_all(s, all, whole, &mut reduce_share);
+        self.pool.give(scratch);
+        done?;
+        let mut gather_shares = |parts: &[Option<Remote>]| {
+            for (r, part) in parts.iter().enumerate() {
+                if let Some(part) = part {
+                    let share = shares[r].clone();
+                    let at = share.start * size;
+                    part.read(name, at, bytemuck::cast_slice_mut(&mut buf[share]))?;
+                }
+            }
+            Ok(())
+        };
+        arena.exchange_direct_all(s, all, whole, &mut gather_shares)
+    }
+
     /// reduce by one direct step of `arena` (`s`: the call): the root reads every other rank's
     /// buffer across processes, piece by piece, and combines them with its own in rank order
     /// into its buffer; the others publish theirs and return once the root is done. One

@@ -64,7 +64,8 @@ pub(crate) enum Small<T> {
 
 /// One collective call on type-erased buffers (element type in [`CollCall::dtype`]; counts in
 /// elements), its arguments already checked by the API layer. This rank's own block of an
-/// all_gather, gather, scatter or all_to_all is already in place in the output.
+/// all_gather, gather, scatter or all_to_all is already in place in the output, but for the
+/// root of a scatter: the backend copies that one, so that it may while the others copy theirs.
 pub(crate) enum Coll<'a> {
     AllReduce(&'a mut [u8], ReduceOp),
     Broadcast(&'a mut [u8], usize),

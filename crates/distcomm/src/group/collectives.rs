@@ -162,7 +162,7 @@ impl Inner {
                 format!("input holds {} elements, needs {n} x {k}", input.len()),
             ));
         }
-        copy(output, &input[r * k..(r + 1) * k]);
+        // The root's own block is the backend's to place: while the others copy theirs.
         let coll = Coll::Scatter(Some(bytes(input)), bytes_mut(output), root);
         self.run::<T>(call, turn, coll)
     }

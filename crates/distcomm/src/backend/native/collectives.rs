@@ -589,6 +589,9 @@ impl Run<'_> {
     ) -> Result<()> {
         let (n, r, k) = (self.size(), self.rank, output.len());
         let root = call.root;
+        if let Some(input) = input.filter(|_| r == root) {
+            copy(output, &input[r * k..(r + 1) * k]);
+        }
         if n >= 4 && size_of_val(output) * n <= BINOMIAL_SCATTER_MAX {
             // The root lays the blocks out in virtual order; each rank receives its subtree's
             // (its own first) and passes on the rest (the root's own block is in place).

@@ -116,7 +116,13 @@ fn direct_step(
             if me == root {
                 let input = input.unwrap_or_default();
                 count_sent(input.len());
-                return arena.exchange_direct(s, (Reads::Nobody, Reads::All), input, ignore);
+                // Our own block while the others read theirs.
+                let own = &mut |_: &[Option<Remote>]| {
+                    copy_bytes(out, &input[me * k..][..k]);
+                    Ok(())
+                };
+                let reads = (Reads::Nobody, Reads::All);
+                return arena.exchange_direct_all(s, reads, Published::of(input), own);
             }
             let mut get = |_: usize, part: &Remote| part.read(op, me * k, out);
             arena.exchange_direct(s, (Reads::Rank(root), Reads::Nobody), &[], &mut get)
@@ -390,12 +396,15 @@ impl Run<'_> {
                         put_part(arena, part, input, false);
                     }
                 };
-                let reads = if me == root {
-                    Reads::Nobody
-                } else {
-                    Reads::Rank(root)
-                };
-                arena.exchange(&s, reads, &sizes, &mut put, &mut get)
+                if me != root {
+                    return arena.exchange(&s, Reads::Rank(root), &sizes, &mut put, &mut get);
+                }
+                arena.exchange(&s, Reads::Nobody, &sizes, &mut put, &mut get)?;
+                // Our own block while the others copy theirs out.
+                if let Some(input) = input {
+                    copy_bytes(out, &input[me * k..][..k]);
+                }
+                Ok(())
             }
             Coll::AllToAll((input, _), (out, _)) => {
                 let k = input.len() / n.max(1);

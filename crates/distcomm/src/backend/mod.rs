@@ -64,8 +64,8 @@ pub(crate) enum Small<T> {
 
 /// One collective call on type-erased buffers (element type in [`CollCall::dtype`]; counts in
 /// elements), its arguments already checked by the API layer. This rank's own block of an
-/// all_gather, gather, scatter or all_to_all is already in place in the output, but for the
-/// root of a scatter: the backend copies that one, so that it may while the others copy theirs.
+/// all_gather or all_to_all is already in place in the output; the root of a gather or scatter
+/// has the backend copy its own, so that it may while, or after, the others copy theirs.
 pub(crate) enum Coll<'a> {
     AllReduce(&'a mut [u8], ReduceOp),
     Broadcast(&'a mut [u8], usize),

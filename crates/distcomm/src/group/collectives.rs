@@ -129,7 +129,7 @@ impl Inner {
                         format!("output holds {} elements, needs {n} x {k}", out.len()),
                     ));
                 }
-                copy(&mut out[r * k..(r + 1) * k], input);
+                // The root's own block is the backend's to place (after the others').
                 Some(bytes_mut(out))
             }
             None if r == root => {

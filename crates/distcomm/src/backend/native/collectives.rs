@@ -574,12 +574,15 @@ impl Run<'_> {
         let (n, r, k) = (self.size(), self.rank, input.len());
         let sched = alg::direct_gather(n, r, root, k);
         match output {
-            Some(out) => self.execute(call, tag, &sched, out, input),
+            Some(out) => {
+                copy(&mut out[r * k..(r + 1) * k], input);
+                self.execute(call, tag, &sched, out, input)
+            }
             None => self.execute(call, tag, &sched, &mut [], input),
         }
     }
 
-    /// The root's own block is already in place in `output`.
+    /// The root places its own block first (see [`Coll`]).
     fn scatter_on<T: Reducible>(
         &self,
         call: &Call,

@@ -100,12 +100,13 @@ fn direct_step(
             let k = input.len();
             count_sent(k);
             let mut get = |r: usize, part: &Remote| part.read(op, 0, &mut out[r * k..][..k]);
-            // Nobody reads the root's part of a gather.
-            let (mine, reads) = match kind {
-                CallKind::Gather => (&[][..], (Reads::All, Reads::Nobody)),
-                _ => (input, all),
-            };
-            arena.exchange_direct(s, reads, mine, &mut get)
+            if kind != CallKind::Gather {
+                return arena.exchange_direct(s, all, input, &mut get);
+            }
+            // Nobody reads the root's part of a gather; its own block once the others are free.
+            arena.exchange_direct(s, (Reads::All, Reads::Nobody), &[], &mut get)?;
+            copy_bytes(&mut out[me * k..][..k], input);
+            Ok(())
         }
         Coll::Gather(input, None, root) => {
             count_sent(input.len());
@@ -359,6 +360,8 @@ impl Run<'_> {
             Coll::AllGather(input, out) | Coll::Gather(input, Some(out), _) => {
                 let k = input.len();
                 count_sent(k);
+                // Nobody reads the root's part of a gather: it puts none in.
+                let gather_root = call.kind == CallKind::Gather;
                 for c in pieces(k, arena.slot_bytes()) {
                     let len = c.len();
                     let mut get = |r: usize, part: &[u8]| {
@@ -367,8 +370,16 @@ impl Run<'_> {
                         }
                         Ok(())
                     };
-                    let mut put = |part: &mut [u8]| put_part(arena, part, &input[c.clone()], false);
-                    arena.exchange(&s, Reads::All, &|_| len, &mut put, &mut get)?;
+                    let mut put = |part: &mut [u8]| {
+                        if !gather_root {
+                            put_part(arena, part, &input[c.clone()], false);
+                        }
+                    };
+                    let sizes = |r: usize| if gather_root && r == me { 0 } else { len };
+                    arena.exchange(&s, Reads::All, &sizes, &mut put, &mut get)?;
+                }
+                if gather_root {
+                    copy_bytes(&mut out[me * k..][..k], input);
                 }
                 Ok(())
             }

@@ -305,9 +305,9 @@ pub(in crate::backend::native) const DIRECT_REDUCE_MIN: usize = 32 << 10;
 /// 260 MiB of shared L3), world 2 f32, `distcomm bench all_reduce`, 3 alternating runs (µs,
 /// direct steps against the slots): 1 MiB 209-223 against 171-181, 1.5 MiB 317-329 against
 /// 299-316, 2 MiB 352-361 against 412-452, 4 MiB 535-680 against 832-842, 16 MiB 2153-2512
-/// against 3414-3910 (Open MPI 2683), 64 MiB 17.9-19.8 ms against 19.4-21.7. Where the arena streams
-/// (AMD EPYC, ranks apart) the slots won: 16 MiB 2.8 ms against 6.5 direct; near or sharing a
-/// core's caches too (64 MiB 16.8 ms against 18.1; 13.8 against 16.7).
+/// against 3414-3910 (Open MPI 2683), 64 MiB 17.9-19.8 ms against 19.4-21.7. Where the arena
+/// streams (AMD EPYC, ranks apart) the slots won: 16 MiB 2.8 ms against 6.5 direct; near or
+/// sharing a core's caches too (64 MiB 16.8 ms against 18.1; 13.8 against 16.7).
 pub(in crate::backend::native) const DIRECT_ALL_REDUCE_MIN: usize = 2 << 20;
 
 /// Whether an all_reduce of `bytes` of `T` takes two direct steps in `arena` (see

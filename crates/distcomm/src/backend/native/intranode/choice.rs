@@ -316,12 +316,13 @@ pub(in crate::backend::native) fn direct_all_reduce_worth_it<T: Reducible>(
     arena: &Arena,
     bytes: usize,
 ) -> bool {
-    !T::WIDENS
+    // The size first: every arena all_reduce asks, and small ones end there.
+    bytes >= DIRECT_ALL_REDUCE_MIN
+        && !T::WIDENS
         && arena.direct()
         && !arena.oversubscribed()
         && arena.caches() == Caches::Apart
         && !arena.streams()
-        && bytes >= DIRECT_ALL_REDUCE_MIN
 }
 
 /// Whether a reduce of `bytes` of `T` on `n` ranks takes a direct step.

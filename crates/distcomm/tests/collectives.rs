@@ -797,3 +797,62 @@ fn a_root_far_ahead_over_tcp_loses_and_reorders_nothing() {
         },
     );
 }
+
+/// A root far behind its senders over TCP: their small messages of many rooted calls wait
+/// unexpected (or unread in the socket) when it comes, and it takes each as it came, without
+/// a handle, into the right call: reduced (f64, whose payloads need not be aligned for it) or
+/// copied in order. A message that does not fit its call is refused as on the general path.
+#[test]
+fn a_root_far_behind_over_tcp_takes_every_small_message_into_its_call() {
+    common::run_native_env(
+        "a_root_far_behind_over_tcp_takes_every_small_message_into_its_call",
+        &[2, 3],
+        &[("DISTCOMM_TRANSPORT", "tcp")],
+        |g| {
+            let (n, r) = (g.size(), g.rank());
+            if r == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            for i in 0..200usize {
+                let len = [1, 3, 1000, 7][i % 4];
+                let value = |q: usize, k: usize| (i * 31 + q * 7 + k) as f64;
+                let mut x: Vec<f64> = (0..len).map(|k| value(r, k)).collect();
+                g.reduce(&mut x, 0, ReduceOp::Sum).unwrap();
+                if r == 0 {
+                    let want: Vec<f64> = (0..len)
+                        .map(|k| (0..n).map(|q| value(q, k)).sum())
+                        .collect();
+                    assert_eq!(x, want, "reduce {i}");
+                }
+                let mine: Vec<i32> = (0..len).map(|k| (i * 1000 + r * 100 + k) as i32).collect();
+                let mut all = vec![0i32; len * n];
+                let out = (r == 0).then_some(all.as_mut_slice());
+                g.gather(&mine, out, 0).unwrap();
+                if r == 0 {
+                    for (q, block) in all.chunks(len).enumerate() {
+                        let want: Vec<i32> =
+                            (0..len).map(|k| (i * 1000 + q * 100 + k) as i32).collect();
+                        assert_eq!(block, want.as_slice(), "gather {i}, block of rank {q}");
+                    }
+                }
+            }
+            // A sender whose call does not match (more elements than the root's) while the
+            // root is late: the root says so (the sender may have returned already).
+            if r == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            let mut x = vec![1f64; if r == 1 { 5 } else { 4 }];
+            let res = g.reduce(&mut x, 0, ReduceOp::Sum);
+            if r == 0 {
+                assert!(
+                    matches!(res, Err(Error::Desync { .. })),
+                    "rank {r}: expected desync, got {res:?}"
+                );
+            }
+            g.barrier().unwrap();
+            let mut ok = vec![1i32; 4];
+            g.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+            assert_eq!(ok, vec![n as i32; 4]);
+        },
+    );
+}

@@ -26,7 +26,7 @@ use crate::call::Call;
 use crate::call::Envelope;
 use crate::commslog::count_sent;
 use crate::completion::{boxed, Deadline, RawView};
-use crate::copy::copy;
+use crate::copy::{copy, copy_bytes};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::order::Turn;
@@ -289,12 +289,20 @@ impl Run<'_> {
                 ids: Vec::new(),
                 works: Vec::new(),
             };
-            // Receives first, so that what the peers send finds its buffer posted.
-            let recv_first = round
-                .iter()
-                .filter(|s| matches!(s, Step::Recv { .. }))
-                .chain(round.iter().filter(|s| matches!(s, Step::Send { .. })));
-            for step in recv_first {
+            // Receives first, so that what the peers send finds its buffer posted; except in
+            // a round that only receives eager messages over sockets: those are taken as they
+            // come, without a handle where they already have (`recv_scheduled`), after the
+            // sends have read the ranges they may reduce into.
+            let is_recv = |s: &&Step| matches!(s, Step::Recv { .. });
+            let take_as_come = round.iter().all(|s| match s {
+                Step::Recv { peer, range, .. } => {
+                    range.len() * size_of::<T>() <= eager_max && self.b.by_socket(*peer)
+                }
+                Step::Send { .. } => true,
+            });
+            let ordered = (round.iter().filter(|s| is_recv(s) != take_as_come))
+                .chain(round.iter().filter(|s| is_recv(s) == take_as_come));
+            for step in ordered {
                 match step {
                     Step::Recv {
                         peer,
@@ -312,6 +320,29 @@ impl Run<'_> {
                             self.b.post_recv(env, Box::new(view), *peer, self.timeout)?;
                         direct.ids.push(w.id());
                         direct.works.push(w);
+                    }
+                    Step::Recv {
+                        peer,
+                        range,
+                        reduce,
+                    } if take_as_come => {
+                        let dst = out
+                            .get_mut(range.clone())
+                            .ok_or_else(|| self.invalid(name, "schedule out of bounds".into()))?;
+                        let len = size_of_val(dst);
+                        let took = self.b.recv_scheduled(env, *peer, len, |data| {
+                            if *reduce {
+                                reduce_bytes_into(dst, data, op);
+                            } else {
+                                copy_bytes(bytemuck::cast_slice_mut(dst), data);
+                            }
+                        });
+                        if !took {
+                            let buf: Vec<T> = self.pool.take_len(range.len());
+                            let w: Work<Vec<T>> =
+                                self.b.post_recv(env, boxed(buf), *peer, self.timeout)?;
+                            recvs.push((w, range.clone(), *reduce));
+                        }
                     }
                     Step::Recv {
                         peer,
@@ -714,6 +745,15 @@ pub const BINOMIAL_SCATTER_MAX: usize = 8 << 10;
 /// 4.0-8.4; from 4 KiB on and at world 8 even or behind (world 4 64 KiB 127-190 against
 /// 110-134).
 pub const DIRECT_REDUCE_MAX: usize = 1 << 10;
+
+/// Reduces `data`, the bytes of `dst.len()` elements, into `dst` (through an aligned copy
+/// where `data` is not aligned for `T`).
+fn reduce_bytes_into<T: Reducible>(dst: &mut [T], data: &[u8], op: ReduceOp) {
+    match bytemuck::try_cast_slice::<u8, T>(data) {
+        Ok(src) => T::reduce_into(dst, src, op),
+        Err(_) => T::reduce_into(dst, &bytemuck::pod_collect_to_vec::<u8, T>(data), op),
+    }
+}
 
 /// The DEBUG event of a collective's algorithm (subsystem `coll`).
 pub(super) fn chose(call: &Call, dtype: DType, rank: usize, n: usize, rounds: usize) {

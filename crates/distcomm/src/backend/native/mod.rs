@@ -228,6 +228,26 @@ impl NativeBackend {
             .is_ok_and(|g| self.engine.send_scheduled(self.scoped(env), data, g))
     }
 
+    /// Takes a collective's small message of `len` bytes from group rank `src` at once,
+    /// without a handle, when it has come ([`Engine::recv_scheduled`]); `false`: post it.
+    fn recv_scheduled(
+        &self,
+        env: Envelope,
+        src: usize,
+        len: usize,
+        take: impl FnOnce(&[u8]),
+    ) -> bool {
+        self.global(env.op, src)
+            .is_ok_and(|g| self.engine.recv_scheduled(self.scoped(env), g, len, take))
+    }
+
+    /// Whether group rank `p` is reached through a TCP socket ([`Engine::by_socket`]).
+    fn by_socket(&self, p: usize) -> bool {
+        self.members
+            .get(p)
+            .is_some_and(|&g| self.engine.by_socket(g))
+    }
+
     /// A receive from group rank `src` as a typed handle (for the schedules).
     fn post_recv<B: 'static>(
         &self,

@@ -320,6 +320,75 @@ impl Engine {
         true
     }
 
+    /// Whether peer `p` (a global rank other than ours) is reached through a TCP socket rather
+    /// than shared memory (read without the lock).
+    pub(crate) fn by_socket(&self, p: usize) -> bool {
+        p != self.sh.rank && self.sh.watch.get(p).is_some_and(Option::is_none)
+    }
+
+    /// Takes a scheduled eager message (a collective's, as [`Engine::send_scheduled`] sends
+    /// them) of `len` bytes from socket peer `src` without a handle when it has already come:
+    /// waiting unexpected, or in what one read of its socket brings now. `take` gets the
+    /// payload (under the engine's lock: keep it short). Returns whether it did; when not
+    /// (nothing there yet, a shared-memory peer, a message that does not fit or belongs to a
+    /// different call) nothing was taken and the caller posts the receive as usual
+    /// ([`Engine::irecv`]), which reports what went wrong.
+    ///
+    /// The counterpart of `send_scheduled` on the receiving side, where back-to-back rooted
+    /// calls pile up: the general path costs each small message a pooled buffer, a box, a
+    /// handle, a posted entry and a wait.
+    pub(crate) fn recv_scheduled(
+        &self,
+        env: Envelope,
+        src: usize,
+        len: usize,
+        take: impl FnOnce(&[u8]),
+    ) -> bool {
+        #[cfg(feature = "trace-messages")]
+        trace_post("recv (scheduled)", self.sh.rank, Some(src), &env, len);
+        if !refusal::scheduled(env.fp) || src == self.sh.rank {
+            return false;
+        }
+        let mut guard = self.sh.lock();
+        let st = &mut *guard;
+        if !matches!(st.peers.get(src), Some(Some(p)) if p.link.shm.is_none() && p.dead.is_none()) {
+            return false;
+        }
+        let key = (env.ctx, env.tag);
+        if !st.matcher.unexpected_from(src, key) {
+            st.pump(src, true, false, true);
+        }
+        let want = Expect {
+            op: env.op,
+            dtype: env.dtype,
+            check: env.fp,
+            cap: len as u64,
+        };
+        let rank = st.rank;
+        let fits = |u: &Unexpected| {
+            u.hdr.kind == Kind::Eager
+                && u.data.is_some()
+                && refusal::check(rank, want, src, &u.hdr).is_ok()
+        };
+        let taken = match st.matcher.take_unexpected_if(src, key, fits) {
+            Some(Unexpected {
+                hdr,
+                data: Some(data),
+                ..
+            }) => {
+                take(&data);
+                st.spare_temps.give(data);
+                st.answer(src, &hdr, None);
+                true
+            }
+            _ => false,
+        };
+        let backlog = st.unwatched_backlog(Some(src));
+        drop(guard);
+        self.nudge(backlog);
+        taken
+    }
+
     /// Posts a receive from `src` (`None`: any source).
     pub(crate) fn irecv(
         &self,

@@ -100,6 +100,24 @@ impl<R: Receive, M: Message> Matcher<R, M> {
         q.remove(i).map(|(_, m)| m)
     }
 
+    /// The first message from `src` with `key` that waits unexpected, taken out of the queue
+    /// only if `pred` holds for it (what a receive posted now would take, see
+    /// [`Self::take_unexpected`]).
+    #[inline]
+    pub(crate) fn take_unexpected_if(
+        &mut self,
+        src: usize,
+        key: Key,
+        pred: impl FnOnce(&M) -> bool,
+    ) -> Option<M> {
+        let q = self.unexpected.get_mut(src)?;
+        let i = q.iter().position(|(_, m)| m.key() == key)?;
+        if !pred(&q[i].1) {
+            return None;
+        }
+        q.remove(i).map(|(_, m)| m)
+    }
+
     /// Queues a receive behind every one posted before it.
     #[inline]
     pub(crate) fn push_posted(&mut self, r: R) {

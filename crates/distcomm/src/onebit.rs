@@ -362,8 +362,8 @@ impl ProcessGroup {
 
     /// The sequence numbers of the two exchanges of a call (taken at issue time, in program
     /// order); none for an empty buffer, which communicates nothing.
-    fn onebit_tags(&self, len: usize) -> Option<[Turn; 2]> {
-        (len > 0).then(|| std::array::from_fn(|_| self.inner.issue()))
+    fn onebit_tags(&self, len: usize) -> Option<[Turn<'static>; 2]> {
+        (len > 0).then(|| std::array::from_fn(|_| self.inner.issue_shared()))
     }
 }
 

@@ -84,14 +84,14 @@ pub(crate) enum Coll<'a> {
 
 /// A collective as the API issued it: what was called, its sequence number and its place in
 /// the group's issue order.
-pub(crate) struct CollCall {
+pub(crate) struct CollCall<'a> {
     pub call: Call,
     pub dtype: DType,
     /// The call's sequence number in the group: every rank gives the same call the same one.
     pub tag: u32,
     /// Its place in the group's order: a backend whose calls must start in issue order on every
     /// rank waits for it ([`Turn::wait`]) and passes it on once started.
-    pub turn: crate::order::Turn,
+    pub turn: crate::order::Turn<'a>,
     pub timeout: Duration,
 }
 
@@ -146,7 +146,7 @@ pub(crate) trait Backend: Send + Sync {
     }
 
     /// Runs one collective to its end.
-    fn collective(&self, c: CollCall, coll: Coll<'_>) -> Result<()>;
+    fn collective(&self, c: CollCall<'_>, coll: Coll<'_>) -> Result<()>;
 
     /// The backend of a subgroup; `Ok(None)` on a non-member of a collective split.
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>>;

@@ -334,7 +334,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<Work<Vec<T>>> {
         self.inner.check_op::<T>("all_reduce", op)?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("all_reduce", move |g| {
             g.all_reduce_on(turn, &mut buf, op)?;
             Ok(buf)
@@ -355,7 +355,7 @@ impl ProcessGroup {
         root: usize,
     ) -> Result<Work<Vec<T>>> {
         self.inner.check_rank("broadcast", root)?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("broadcast", move |g| {
             g.broadcast_on(turn, &mut buf, root)?;
             Ok(buf)
@@ -380,7 +380,7 @@ impl ProcessGroup {
     ) -> Result<Work<Vec<T>>> {
         self.inner.check_rank("reduce", root)?;
         self.inner.check_op::<T>("reduce", op)?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("reduce", move |g| {
             g.reduce_on(turn, &mut buf, root, op)?;
             Ok(buf)
@@ -402,7 +402,7 @@ impl ProcessGroup {
 
     /// Async [`all_gather`](Self::all_gather); the handle's buffer is the `n × len` output.
     pub fn all_gather_async<T: Reducible>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("all_gather", move |g| {
             let mut out = vec![T::zeroed(); input.len() * g.size()];
             g.all_gather_on(turn, &input, &mut out)?;
@@ -426,7 +426,7 @@ impl ProcessGroup {
     /// others' an empty buffer.
     pub fn gather_async<T: Reducible>(&self, input: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
         self.inner.check_rank("gather", root)?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("gather", move |g| {
             if g.rank == root {
                 let mut out = vec![T::zeroed(); input.len() * g.size()];
@@ -460,7 +460,7 @@ impl ProcessGroup {
         root: usize,
     ) -> Result<Work<Vec<T>>> {
         self.inner.check_rank("scatter", root)?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("scatter", move |g| {
             let mut out = vec![T::zeroed(); block];
             let inp = (g.rank == root).then_some(input.as_slice());
@@ -514,7 +514,7 @@ impl ProcessGroup {
                 ),
             ));
         }
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("reduce_scatter", move |g| {
             let mut out = vec![T::zeroed(); input.len() / n];
             g.reduce_scatter_on(turn, &input, &mut out, op)?;
@@ -548,7 +548,7 @@ impl ProcessGroup {
     /// Async equal [`all_to_all`](Self::all_to_all); the handle's buffer is the output.
     pub fn all_to_all_async<T: Reducible>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
         let counts = self.equal_counts("all_to_all", input.len(), input.len())?;
-        let turn = self.inner.issue();
+        let turn = self.inner.issue_shared();
         self.spawn("all_to_all", move |g| {
             let mut out = vec![T::zeroed(); input.len()];
             g.all_to_all_on(turn, (&input, &counts), (&mut out, &counts), false)?;

@@ -133,8 +133,13 @@ impl Inner {
     }
 
     /// The issue-order turn of the next collective (its number is the call's tag).
-    pub(crate) fn issue(&self) -> Turn {
+    pub(crate) fn issue(&self) -> Turn<'_> {
         self.order.issue()
+    }
+
+    /// [`issue`](Self::issue) for a collective that runs on the group's collective thread.
+    pub(crate) fn issue_shared(&self) -> Turn<'static> {
+        self.order.issue_shared()
     }
 
     /// A group on `backend`: its own collective sequence, thread, pool and log.

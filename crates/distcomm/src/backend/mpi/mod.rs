@@ -116,7 +116,7 @@ impl Backend for MpiBackend {
         self.comm.irecv(env, buf, src)
     }
 
-    fn collective(&self, c: CollCall, coll: super::Coll<'_>) -> Result<()> {
+    fn collective(&self, c: CollCall<'_>, coll: super::Coll<'_>) -> Result<()> {
         with_dtype!(c.dtype, T => self.typed::<T>(c, coll))
     }
 

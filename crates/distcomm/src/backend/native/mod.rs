@@ -356,7 +356,7 @@ impl Backend for NativeBackend {
         }
     }
 
-    fn collective(&self, c: CollCall, coll: Coll<'_>) -> Result<()> {
+    fn collective(&self, c: CollCall<'_>, coll: Coll<'_>) -> Result<()> {
         collectives::run(self, c, coll)
     }
     fn split(&self, how: &Split) -> Result<Option<Arc<dyn Backend>>> {

@@ -224,6 +224,45 @@ mod tests {
     }
 
     #[test]
+    fn a_turn_passed_early_that_a_pass_missed_is_served_by_the_next_wait() {
+        // Turn 1 passes early (under the lock); turn 0's pass then misses it, as one does that
+        // read the count of others before turn 1 counted itself (no fence between its store
+        // and that load): it only advances `serving`. Turn 2's wait serves turn 1 itself.
+        let order = Order::default();
+        let (mut a, b, c) = (order.issue(), order.issue(), order.issue());
+        drop(b);
+        a.order = None;
+        order.serving.store(1, Ordering::Release);
+        assert!(c.wait("x", 0, Duration::from_secs(5)).is_ok());
+        let d = order.issue();
+        assert!(
+            d.wait("x", 0, Duration::ZERO).is_err(),
+            "turn 2 has not passed"
+        );
+        drop(c);
+        assert!(d.wait("x", 0, Duration::ZERO).is_ok());
+    }
+
+    #[test]
+    fn a_waiter_that_a_pass_missed_wakes_on_its_own() {
+        // Turn 0's pass misses the thread asleep on turn 1 (it read the count of others an
+        // instant early): no notification comes, and the waiter still returns, long before
+        // its own timeout.
+        let order = Arc::new(Order::default());
+        let (mut a, b) = (order.issue_shared(), order.issue_shared());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let _ = tx.send(b.wait("x", 0, Duration::from_secs(600)));
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        a.order = None;
+        order.serving.store(1, Ordering::Release);
+        let got = rx.recv_timeout(Duration::from_secs(30));
+        assert!(matches!(got, Ok(Ok(()))), "{got:?}");
+        waiter.join().unwrap();
+    }
+
+    #[test]
     fn turns_taken_by_racing_threads_are_served_in_issue_order() {
         // Turns handed to threads that wait and pass them in whatever order the scheduler
         // runs them: every one is served, each after all those issued before it.

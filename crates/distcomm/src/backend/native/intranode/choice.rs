@@ -213,11 +213,28 @@ pub(in crate::backend::native) const DIRECT_MIN: usize = 16 << 10;
 /// 2313-2888).
 pub(in crate::backend::native) const DIRECT_BROADCAST_MAX: usize = 2 << 20;
 /// When ranks outnumber cores, gather and all_to_all take direct steps only from blocks this
-/// large (world 4 on 2 cores: all_to_all 256 KiB blocks 1.45 the slots' time, 4 MiB 0.66; gather
-/// 64 KiB 1.26, world 3 gather 340 KiB 1.15, world 4 4 MiB 0.72), scatter from 64 KiB
+/// large where the arena streams ([`OVERSUBSCRIBED_PLAIN_DIRECT_MIN`] where it does not).
+/// Measured on AMD EPYC VMs (world 4 on 2 cores: all_to_all 256 KiB blocks 1.45 the slots'
+/// time, 4 MiB 0.66; gather 64 KiB 1.26, world 3 gather 340 KiB 1.15, world 4 4 MiB 0.72),
+/// scatter from 64 KiB
 /// (0.21-0.96 from 64 KiB), broadcast and all_gather never (a root that waits for its readers
 /// costs a context switch each: world 4 broadcast 1.15-2.45, all_gather 1.02-1.68).
 pub(in crate::backend::native) const OVERSUBSCRIBED_DIRECT_MIN: usize = 1 << 20;
+/// [`OVERSUBSCRIBED_DIRECT_MIN`] where set-up found ordinary stores into the slots faster than
+/// streaming ones ([`Arena::streams`] false: cores that share their last-level cache, where a
+/// reader finds the lines a writer just stored there): each block of the slots' way is then
+/// written by one core and read by another through that cache twice over, against one
+/// cross-memory copy from a buffer nobody writes meanwhile. Measured on an Intel Xeon VM of
+/// that kind (2 vCPUs), `distcomm bench`, 3 alternating runs (µs, direct steps from 16 KiB
+/// blocks against the slots): all_to_all world 3, 64 KiB 12.4-13.4 against 15.5, 256 KiB
+/// 29-33 against 47-48, 1 MiB 130-135 against 197-208; world 4, 64 KiB (16 KiB blocks) 21-27
+/// against 20-34, 256 KiB 40-46 against 61-84, 1 MiB 155-158 against 275-338; world 8, 1 MiB
+/// 331-413 against 532-618, 4 MiB 1170-1389 against 1962-2105; gather world 3, 64 KiB (21 KiB
+/// blocks) 7.3-8.2 against 5.3-5.4, 256 KiB 14.5-16.1 against 18-32, 1 MiB 39-49 against
+/// 62-104; world 4, 64 KiB 9.2-13.6 against 6.3-9.2, 256 KiB 15-17 against 17-19, 1 MiB
+/// 41-47 against 66-69; world 8, 1 MiB 51-57 against 94-113, 4 MiB 251-266 against 427-465.
+/// So from 64 KiB blocks.
+pub(in crate::backend::native) const OVERSUBSCRIBED_PLAIN_DIRECT_MIN: usize = 64 << 10;
 /// When ranks outnumber cores, scatter takes direct steps from blocks this large (see
 /// [`OVERSUBSCRIBED_DIRECT_MIN`]; smaller blocks were not measured there).
 pub(in crate::backend::native) const OVERSUBSCRIBED_SCATTER_MIN: usize = 64 << 10;
@@ -344,8 +361,10 @@ pub(super) fn direct_worth_it(coll: &Coll<'_>, arena: &Arena, n: usize) -> bool 
         _ => NEAR_DIRECT_MIN,
     };
     let direct_min = direct_min(arena, (DIRECT_MIN, near));
-    let crowded_min = if crowded {
+    let crowded_min = if crowded && arena.streams() {
         OVERSUBSCRIBED_DIRECT_MIN
+    } else if crowded {
+        OVERSUBSCRIBED_PLAIN_DIRECT_MIN
     } else {
         direct_min
     };

@@ -15,9 +15,20 @@
 //   stream    rank 0 writes 8 bytes a step into its control lines, running at most 64 steps
 //             ahead; rank 1 waits for each: the arena's small broadcast or scatter.
 //
+// And the point-to-point lane's ping-pong (a step: half a round trip, one message):
+//   lane      each rank writes its message line and waits for the other's (Open MPI's fastbox
+//             ping-pong: nothing follows a message).
+//   lane-answer  the receiver of a message also writes its answer word (a line of its own,
+//             which the sender waits on before it looks for the reply) before it replies: the
+//             lane's protocol.
+//   lane-rmw  `lane-answer` with a locked read-modify-write of a private word between the answer
+//             and the reply, as the engine's lock taken between them does (on x86 it waits for
+//             the answer's store to leave the store buffer).
+//
 // Build: gcc -O2 -mavx2 -mprfchw -o /tmp/arena_bound scripts/arena_bound.c
-// Run:   /tmp/arena_bound [exchange|slots|slots-nt|slots-claim|stream ...]  (all by default)
-// Prints ns per step (median of 5 runs of 100k steps after 1k warm-up steps). These machines
+// Run:   /tmp/arena_bound [exchange|slots|slots-nt|slots-claim|stream|lane|lane-answer|lane-rmw ...]
+//        (all by default)
+// Prints ns per step (a lane step: per message; median of 5 runs of 100k steps after 1k warm-up steps). These machines
 // switch between two placements of their two vCPUs from minute to minute: read
 // `../shared/bench/limits shm-lat` before and after, as for every table.
 #define _GNU_SOURCE
@@ -50,16 +61,40 @@ static void wait_seq(line_t *l, uint64_t k) {
   while (__atomic_load_n(&l->seq, __ATOMIC_ACQUIRE) < k) _mm_pause();
 }
 
+static uint64_t private_word;
+
+// Lane message `k` from the other rank (its control line 0): taken, answered in our line 1
+// (`answer`), then the locked step (`rmw`).
+static void lane_take(rank_t *mine, rank_t *theirs, uint64_t k, int answer, int rmw) {
+  wait_seq(&theirs->line[0], k);
+  if (answer) __atomic_store_n(&mine->line[1].seq, k, __ATOMIC_RELEASE);
+  if (rmw) __atomic_fetch_add(&private_word, 1, __ATOMIC_ACQ_REL);
+}
+
+// Lane message `k` sent (our control line 0), waiting for its answer with `answer`.
+static void lane_give(rank_t *mine, rank_t *theirs, uint64_t k, int answer) {
+  __atomic_store_n(&mine->line[0].seq, k, __ATOMIC_RELEASE);
+  if (answer) wait_seq(&theirs->line[1], k);
+}
+
 // One run of `mode` by rank `me`; returns ns per step (rank 0's clock).
 static double run(const char *mode, rank_t *r, int me) {
   rank_t *mine = &r[me], *theirs = &r[1 - me];
   float buf[SLOT / 4] __attribute__((aligned(64))), got = 0;
   for (int i = 0; i < SLOT / 4; i++) buf[i] = (float)i;
   int slots = !strncmp(mode, "slots", 5), nt = !strcmp(mode, "slots-nt"),
-      claim = !strcmp(mode, "slots-claim"), stream = !strcmp(mode, "stream");
+      claim = !strcmp(mode, "slots-claim"), stream = !strcmp(mode, "stream"),
+      lane = !strncmp(mode, "lane", 4), answer = lane && strcmp(mode, "lane") != 0,
+      rmw = !strcmp(mode, "lane-rmw");
   double t0 = 0;
   for (uint64_t k = 1; k <= STEPS + WARM; k++) {
     if (k == WARM + 1) t0 = now();
+    if (lane) {
+      if (me == 0) lane_give(mine, theirs, k, answer);
+      lane_take(mine, theirs, k, answer, rmw);
+      if (me == 1) lane_give(mine, theirs, k, answer);
+      continue;
+    }
     line_t *ml = &mine->line[k % LINES], *tl = &theirs->line[k % LINES];
     if (stream) {
       if (me == 0) {
@@ -99,7 +134,8 @@ static double run(const char *mode, rank_t *r, int me) {
     }
   }
   if (got == -1) puts("");  // keep the reads
-  return (now() - t0) / STEPS;
+  // A lane step is a round trip: two messages.
+  return (now() - t0) / (lane ? 2.0 * STEPS : STEPS);
 }
 
 static int cmp(const void *a, const void *b) {
@@ -108,9 +144,10 @@ static int cmp(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-  const char *all[] = {"exchange", "slots", "slots-nt", "slots-claim", "stream"};
+  const char *all[] = {"exchange", "slots",      "slots-nt", "slots-claim",
+                       "stream",   "lane", "lane-answer", "lane-rmw"};
   const char **modes = argc > 1 ? (const char **)argv + 1 : all;
-  int nmodes = argc > 1 ? argc - 1 : 5;
+  int nmodes = argc > 1 ? argc - 1 : (int)(sizeof all / sizeof all[0]);
   for (int m = 0; m < nmodes; m++) {
     double t[5];
     for (int rep = 0; rep < 5; rep++) {

@@ -15,7 +15,7 @@
 //   stream    rank 0 writes 8 bytes a step into its control lines, running at most 64 steps
 //             ahead; rank 1 waits for each: the arena's small broadcast or scatter.
 //
-// And the point-to-point lane's ping-pong (a step: half a round trip, one message):
+// And the point-to-point lane's ping-pong (each step a round trip; printed per message):
 //   lane      each rank writes its message line and waits for the other's (Open MPI's fastbox
 //             ping-pong: nothing follows a message).
 //   lane-answer  the receiver of a message also writes its answer word (a line of its own,
@@ -26,11 +26,10 @@
 //             the answer's store to leave the store buffer).
 //
 // Build: gcc -O2 -mavx2 -mprfchw -o /tmp/arena_bound scripts/arena_bound.c
-// Run:   /tmp/arena_bound [exchange|slots|slots-nt|slots-claim|stream|lane|lane-answer|lane-rmw ...]
-//        (all by default)
-// Prints ns per step (a lane step: per message; median of 5 runs of 100k steps after 1k warm-up steps). These machines
-// switch between two placements of their two vCPUs from minute to minute: read
-// `../shared/bench/limits shm-lat` before and after, as for every table.
+// Run:   /tmp/arena_bound [MODE ...]  (every mode above by default)
+// Prints ns per step, for the lane modes per message (median of 5 runs of 100k steps after 1k
+// warm-up steps). These machines switch between two placements of their two vCPUs from minute
+// to minute: read `../shared/bench/limits shm-lat` before and after, as for every table.
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <stdint.h>
@@ -144,8 +143,8 @@ static int cmp(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-  const char *all[] = {"exchange", "slots",      "slots-nt", "slots-claim",
-                       "stream",   "lane", "lane-answer", "lane-rmw"};
+  const char *all[] = {"exchange", "slots", "slots-nt",    "slots-claim",
+                       "stream",   "lane",  "lane-answer", "lane-rmw"};
   const char **modes = argc > 1 ? (const char **)argv + 1 : all;
   int nmodes = argc > 1 ? argc - 1 : (int)(sizeof all / sizeof all[0]);
   for (int m = 0; m < nmodes; m++) {

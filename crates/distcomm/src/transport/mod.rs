@@ -26,7 +26,7 @@ pub(crate) mod tcp;
 pub(crate) use shm::ShmLink;
 
 #[cfg(target_os = "linux")]
-pub(crate) use shm::{LaneMsg, ShmWatch};
+pub(crate) use shm::ShmWatch;
 
 /// Stand-in for the shared-memory link where the platform has none (it has no values: the
 /// engine's calls on it are never made).
@@ -49,7 +49,20 @@ impl ShmLink {
         &self,
         _head: &[u8; frame::LANE_HEAD],
         _payload: &[u8],
-    ) -> std::io::Result<Option<(u64, bool)>> {
+        _offer: Option<LaneKey>,
+    ) -> std::io::Result<Option<LaneSent>> {
+        match *self {}
+    }
+    pub fn lane_post(&self, _k: LaneKey, _cap: usize) -> bool {
+        match *self {}
+    }
+    pub fn lane_withdraw(&self) -> bool {
+        match *self {}
+    }
+    pub fn lane_mine(&self) -> bool {
+        match *self {}
+    }
+    pub fn lane_disown(&self) -> bool {
         match *self {}
     }
     pub fn lane_peek(
@@ -69,12 +82,31 @@ impl ShmLink {
     }
 }
 
-/// A lane message (see `shm::LaneMsg`); never made where the platform has no shared memory.
-#[cfg(not(target_os = "linux"))]
-#[derive(Debug, Clone, Copy)]
+/// A lane message found by `ShmLink::lane_peek`: its slot's sequence number (its id
+/// for the answer), its length, and whether the receive we posted accepted it already (its
+/// sender waits for no answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneMsg {
     pub seq: u64,
     pub len: usize,
+    pub pre: bool,
+}
+
+/// The key (context in the low half, tag in the high one) and element type of a
+/// point-to-point message, or of what a posted receive takes (`dtype` 0: any).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneKey {
+    pub key: u64,
+    pub dtype: u8,
+}
+
+/// What `ShmLink::lane_send` did: the message's sequence number, whether the consumer sleeps
+/// and needs a doorbell, and whether a posted receive accepted it already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneSent {
+    pub seq: u64,
+    pub ring: bool,
+    pub pre: bool,
 }
 
 /// Stand-in for [`ShmLink`]'s watcher where the platform has no shared memory.

@@ -208,3 +208,115 @@ fn small_message_refusals_fail_both_sides() {
         },
     );
 }
+
+/// A receiver already waiting when the message comes (a ping-pong's rhythm: the shared-memory
+/// lane then lets its receive take the message before the sender waits for an answer) still
+/// refuses what it must, on both sides, and takes what it may, whichever call sends or
+/// receives; a message of another tag in between waits for its own receive.
+#[test]
+fn refusals_reach_both_sides_when_the_receiver_waits_first() {
+    run_native(
+        "refusals::refusals_reach_both_sides_when_the_receiver_waits_first",
+        &[2],
+        |g| {
+            let peer = 1 - g.rank();
+            for round in 0..400u32 {
+                let (kind, handles) = (round % 4, round / 4 % 2 == 1);
+                if g.rank() == 1 {
+                    // "Go", then straight into the receive.
+                    g.send(&[round as u8], peer, 9).unwrap();
+                    let r = match kind {
+                        0 | 3 => {
+                            let got = if handles {
+                                let w = g.irecv(vec![0f32; 2], peer, 3).unwrap();
+                                w.into_buffer().map(|b| (8, [b[0], b[1]]))
+                            } else {
+                                let mut out = [0f32; 2];
+                                g.recv(&mut out, peer, 3).map(|s| (s.bytes, out))
+                            };
+                            assert_eq!(got.unwrap(), (8, [f32::from(round as u8), 2.0]));
+                            if kind == 3 {
+                                let mut other = [0u8; 4];
+                                g.recv(&mut other, peer, 4).unwrap();
+                                assert_eq!(other, [round as u8; 4]);
+                            }
+                            continue;
+                        }
+                        1 => {
+                            let mut small = [9u8; 8];
+                            let r = if handles {
+                                g.irecv(vec![9u8; 8], peer, 3)
+                                    .and_then(|w| w.into_buffer())
+                                    .map(|_| ())
+                            } else {
+                                g.recv(&mut small, peer, 3).map(|_| ())
+                            };
+                            assert_eq!(small, [9; 8], "a refused message writes nothing");
+                            r
+                        }
+                        _ => {
+                            let mut typed = [5i32; 2];
+                            let r = if handles {
+                                g.irecv(vec![5i32; 2], peer, 3)
+                                    .and_then(|w| w.into_buffer())
+                                    .map(|_| ())
+                            } else {
+                                g.recv(&mut typed, peer, 3).map(|_| ())
+                            };
+                            assert_eq!(typed, [5; 2], "a refused message writes nothing");
+                            r
+                        }
+                    };
+                    match (kind, r) {
+                        (1, Err(Error::MessageTooLarge { sent, capacity, .. })) => {
+                            assert_eq!((sent, capacity), (16, 8))
+                        }
+                        (2, Err(Error::DTypeMismatch { .. })) => {}
+                        (k, other) => panic!("round {round}, receiver of kind {k}: {other:?}"),
+                    }
+                } else {
+                    let mut go = [0u8];
+                    g.recv(&mut go, peer, 9).unwrap();
+                    assert_eq!(go[0], round as u8);
+                    let send = |data: Vec<u8>, dtype_f32: bool| {
+                        if dtype_f32 {
+                            let v: Vec<f32> = data.iter().map(|&b| f32::from(b)).collect();
+                            if handles {
+                                g.isend(v, peer, 3).and_then(|w| w.wait().map(|_| ()))
+                            } else {
+                                g.send(&v, peer, 3)
+                            }
+                        } else if handles {
+                            g.isend(data, peer, 3).and_then(|w| w.wait().map(|_| ()))
+                        } else {
+                            g.send(&data, peer, 3)
+                        }
+                    };
+                    // (Its receive comes after tag 3's: a blocking send would wait for it.)
+                    let other =
+                        (kind == 3).then(|| g.isend(vec![round as u8; 4], peer, 4).unwrap());
+                    let r = match kind {
+                        0 | 3 => send(vec![round as u8, 2], true),
+                        1 => send(vec![7u8; 16], false),
+                        _ => send(vec![1, 2], true),
+                    };
+                    match (kind, r) {
+                        (0 | 3, Ok(())) => {}
+                        (1, Err(Error::MessageTooLarge { sent, capacity, .. })) => {
+                            assert_eq!((sent, capacity), (16, 8))
+                        }
+                        (2, Err(Error::DTypeMismatch { sent, expected, .. })) => assert_eq!(
+                            (sent, expected),
+                            (distcomm::DType::F32, distcomm::DType::I32)
+                        ),
+                        (k, other) => panic!("round {round}, sender of kind {k}: {other:?}"),
+                    }
+                    if let Some(w) = other {
+                        w.wait().unwrap();
+                    }
+                }
+            }
+            exchange_pair(g);
+        },
+    );
+}

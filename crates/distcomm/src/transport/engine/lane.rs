@@ -7,6 +7,14 @@
 
 use super::*;
 
+/// The lane's key of a point-to-point message.
+fn lane_key(ctx: u32, tag: u32, dtype: DType) -> LaneKey {
+    LaneKey {
+        key: u64::from(ctx) | u64::from(tag) << 32,
+        dtype: dtype as u8,
+    }
+}
+
 impl State {
     /// The link to `p` when it is a shared-memory one (its socket carries the doorbell), with
     /// its shared-memory side.
@@ -27,14 +35,15 @@ impl State {
     /// Sends a small message through the lane of shared-memory peer `p` if the ordering rules
     /// allow it now: nothing queued for the ring (the lane itself refuses while ring bytes are
     /// unread), a free slot, and a free answer word when `owner` waits for the answer. Returns
-    /// its sequence number; `None` leaves the message to the ring.
+    /// its sequence number, and whether the receive `p` posted for it accepted it already
+    /// (then nobody waits for its answer); `None` leaves the message to the ring.
     pub(super) fn lane_send(
         &mut self,
         p: usize,
         h: &Header,
         data: &[u8],
         owner: Owner,
-    ) -> Option<u64> {
+    ) -> Option<(u64, bool)> {
         let Some(Some(peer)) = self.peers.get_mut(p) else {
             return None;
         };
@@ -53,21 +62,57 @@ impl State {
         if !free {
             return None;
         }
-        let (seq, ring) = match link.lane_send(&h.encode_lane(), data) {
+        // Only a message that waits for its answer may be taken by a posted receive: the
+        // others (scheduled) are checked against their receive's check word instead.
+        let offer = matches!(owner, Owner::Caller).then(|| lane_key(h.ctx, h.tag, h.dtype));
+        let sent = match link.lane_send(&h.encode_lane(), data, offer) {
             Ok(sent) => sent?,
             Err(e) => {
                 self.mark_dead(p, e.to_string());
                 return None;
             }
         };
-        if ring {
+        if sent.ring {
             peer.link.ring();
         }
-        match owner {
-            Owner::Nobody => {}
-            Owner::Caller => peer.lane_waits[at] = Some(LaneWait::Caller { seq, nack: None }),
+        if matches!(owner, Owner::Caller) && !sent.pre {
+            peer.lane_waits[at] = Some(LaneWait::Caller {
+                seq: sent.seq,
+                nack: None,
+            });
         }
-        Some(seq)
+        Some((sent.seq, sent.pre))
+    }
+
+    /// Posts a receive of key `(ctx, tag)`, element type `dtype`, check word `fp` and up to
+    /// `cap` bytes in `p`'s lane, so that a message it accepts is taken by it at once, its
+    /// sender waiting for no answer (see `shm`). Only a point-to-point receive posts (a
+    /// scheduled one checks more than the lane says).
+    fn lane_post(
+        &self,
+        p: usize,
+        (ctx, tag): (u32, u32),
+        dtype: DType,
+        fp: Fingerprint,
+        cap: usize,
+    ) {
+        if refusal::scheduled(fp) {
+            return;
+        }
+        if let Some((_, link)) = self.shm_link(p) {
+            let k = lane_key(ctx, tag, dtype);
+            // A raw receive takes any type.
+            let dtype = if dtype == DType::Bytes { 0 } else { k.dtype };
+            link.lane_post(LaneKey { dtype, ..k }, cap);
+        }
+    }
+
+    /// Withdraws the receive posted in `p`'s lane, if any (see [`ShmLink::lane_withdraw`]):
+    /// `false` when a message it accepted took its place first, unless `disown`: then that
+    /// message is left to the engine, like any other.
+    pub(super) fn lane_withdraw(&self, p: usize, disown: bool) -> bool {
+        self.shm_link(p)
+            .is_none_or(|(_, link)| link.lane_withdraw() || (disown && link.lane_disown()))
     }
 
     /// The next message of `p`'s lane, if one is there, with its decoded header; nothing is
@@ -110,6 +155,10 @@ impl State {
     pub(super) fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
         let mut any = false;
         while let Some((h, m)) = self.lane_peek(p)? {
+            if m.pre {
+                // Taken by the receive posted for it, whose caller spins for it.
+                break;
+            }
             any = true;
             self.lane_deliver(p, h, m);
         }
@@ -153,7 +202,7 @@ impl State {
     /// an answer.
     fn lane_accept(&mut self, p: usize, h: &Header, m: LaneMsg, dst: &mut [u8]) {
         self.lane_copy(p, m, &mut dst[..m.len]);
-        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
+        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0 && !m.pre);
     }
 
     /// Completes our lane sends to `p` whose answer word says accepted.
@@ -217,15 +266,21 @@ impl State {
         out: &mut [u8],
     ) -> LaneTake<Result<Status>> {
         let key = (env.ctx, env.tag);
-        if !self.lane_idle(p)
-            || self.matcher.posted_could_take(p, key)
-            || self.matcher.unexpected_from(p, key)
+        // A message the receive posted below accepted is its own, whatever came since.
+        let mine = self.shm_link(p).is_some_and(|(_, link)| link.lane_mine());
+        if !mine
+            && (!self.lane_idle(p)
+                || self.matcher.posted_could_take(p, key)
+                || self.matcher.unexpected_from(p, key))
         {
             return LaneTake::Declined;
         }
         let (h, m) = match self.lane_next(p, key) {
             Ok(Some(msg)) => msg,
-            Ok(None) => return LaneTake::Empty,
+            Ok(None) => {
+                self.lane_post(p, key, env.dtype, env.fp, out.len());
+                return LaneTake::Empty;
+            }
             Err(()) => return LaneTake::Declined,
         };
         let cap = out.len() as u64;
@@ -300,15 +355,22 @@ impl State {
         else {
             return LaneTake::Declined;
         };
-        if !self.lane_idle(src)
-            || self.cancelled.contains(key)
-            || self.matcher.unexpected_from(src, key)
+        let mine = self.shm_link(src).is_some_and(|(_, link)| link.lane_mine());
+        if !mine
+            && (!self.lane_idle(src)
+                || self.cancelled.contains(key)
+                || self.matcher.unexpected_from(src, key))
         {
             return LaneTake::Declined;
         }
         let (h, m) = match self.lane_next(src, key) {
             Ok(Some(msg)) => msg,
-            Ok(None) => return LaneTake::Empty,
+            Ok(None) => {
+                if let Some(r) = self.matcher.posted_at(at).filter(|r| r.id == id) {
+                    self.lane_post(src, key, r.dtype, r.fp, r.buf.bytes().len());
+                }
+                return LaneTake::Empty;
+            }
             Err(()) => return LaneTake::Declined,
         };
         // Still posted: nothing else takes receives out while we hold the lock, and the

@@ -77,7 +77,7 @@ use crate::transport::protocol::refusal::{self, Expect, Sent};
 #[cfg(target_os = "linux")]
 use crate::transport::shm;
 use crate::transport::tcp::{same_host, set_buffers, CROWDED_LOCAL_SOCKBUF, LOCAL_SOCKBUF};
-use crate::transport::{LaneMsg, LinkKind, ShmLink, ShmWatch};
+use crate::transport::{LaneKey, LaneMsg, LinkKind, ShmLink, ShmWatch};
 
 mod cancel;
 mod failure;

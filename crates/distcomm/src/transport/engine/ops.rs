@@ -141,7 +141,7 @@ impl Engine {
         {
             let waits = !refusal::scheduled(env.fp);
             let owner = if waits { Owner::Caller } else { Owner::Nobody };
-            if let Some(seq) = st.lane_send(dst, &hdr, buf.bytes(), owner) {
+            if let Some((seq, pre)) = st.lane_send(dst, &hdr, buf.bytes(), owner) {
                 drop(st);
                 let ticket = Ticket {
                     peer: dst,
@@ -149,7 +149,8 @@ impl Engine {
                     env,
                     len,
                 };
-                if !waits {
+                // Taken by a posted receive, or not answered: done.
+                if pre || !waits {
                     let cell = OpCell::fresh();
                     cell.complete(Ok(ticket.status()), Some(buf));
                     return (id, cell);
@@ -547,7 +548,7 @@ impl Engine {
                 st.lane_send(dst, &h, data, Owner::Caller)
             }
         };
-        let Some(seq) = sent else {
+        let Some((seq, pre)) = sent else {
             return Fast::Declined;
         };
         let t = Ticket {
@@ -556,6 +557,9 @@ impl Engine {
             env,
             len: data.len(),
         };
+        if pre {
+            return Fast::Done(Ok(t.status()));
+        }
         self.fast_wait(FAST_SPIN, || watch.answered(seq).is_some());
         if watch.answered(seq) == Some(true) {
             return Fast::Done(Ok(t.status()));
@@ -588,7 +592,8 @@ impl Engine {
     /// also says whether frames wait to be written), spinning up to `limit` (at most
     /// [`FAST_SPIN`]) once for one to come when the lane was empty. `None`: nothing was taken
     /// (declined, nothing came, ring bytes come first, or frames wait: the general wait writes
-    /// those).
+    /// those). A receive `take` posted in the lane is withdrawn before that; when a message
+    /// took its place first, `take` gets it.
     fn take_from_lane<T>(
         &self,
         src: usize,
@@ -596,20 +601,25 @@ impl Engine {
         mut take: impl FnMut(&mut State) -> (LaneTake<T>, bool),
     ) -> Option<T> {
         let watch = self.sh.watch.get(src)?.as_ref()?;
-        let mut waited = false;
+        let (mut waited, mut disown) = (false, false);
         loop {
             // Ring bytes come first: the engine reads those (looked at without the lock).
-            if watch.ring_incoming() {
-                return None;
+            let wait = !watch.ring_incoming()
+                && match take(&mut self.sh.lock()) {
+                    (LaneTake::Got(got), _) => return Some(got),
+                    (LaneTake::Empty, false) => !waited,
+                    _ => false,
+                };
+            if !wait {
+                // A message the posted receive accepted is taken on the next round; should
+                // that decline it, the engine delivers it.
+                if self.sh.lock().lane_withdraw(src, disown) {
+                    return None;
+                }
+                disown = true;
+                continue;
             }
-            match take(&mut self.sh.lock()) {
-                (LaneTake::Got(got), _) => return Some(got),
-                (LaneTake::Empty, false) if !waited => {}
-                _ => return None,
-            }
-            if !self.fast_wait(limit.min(FAST_SPIN), || watch.incoming()) {
-                return None;
-            }
+            self.fast_wait(limit.min(FAST_SPIN), || watch.incoming());
             waited = true;
         }
     }

@@ -112,8 +112,11 @@ fn lane_keeps_order_and_sizes() {
         for (k, &len) in lens.iter().enumerate() {
             let tag = wave.wrapping_mul(16).wrapping_add(k as u8);
             let seq = loop {
-                match link.lane_send(&head(tag), &payload(tag, len)).unwrap() {
-                    Some((seq, _)) => break seq,
+                match link
+                    .lane_send(&head(tag), &payload(tag, len), None)
+                    .unwrap()
+                {
+                    Some(sent) => break sent.seq,
                     None => take_oldest(&mut sent),
                 }
             };
@@ -141,7 +144,9 @@ fn sequence_numbers_wrap_past_their_48_bits() {
         .store(start, Ordering::Relaxed);
     link.rx_lane.set(start);
     for k in 0..8u8 {
-        link.lane_send(&head(k), &payload(k, 100)).unwrap().unwrap();
+        link.lane_send(&head(k), &payload(k, 100), None)
+            .unwrap()
+            .unwrap();
         let (_, h, data) = take(&link).unwrap();
         assert_eq!((h, data), (head(k), payload(k, 100)));
     }
@@ -150,7 +155,11 @@ fn sequence_numbers_wrap_past_their_48_bits() {
 #[test]
 fn a_peeked_message_is_not_taken() {
     let link = pair(4096);
-    let (seq, _) = link.lane_send(&head(1), &payload(1, 100)).unwrap().unwrap();
+    let seq = link
+        .lane_send(&head(1), &payload(1, 100), None)
+        .unwrap()
+        .unwrap()
+        .seq;
     let mut h = [0u8; LANE_HEAD];
     let m = link.lane_peek(&mut h).unwrap().unwrap();
     assert_eq!(link.lane_peek(&mut h).unwrap(), Some(m));
@@ -165,11 +174,11 @@ fn lane_and_ring_never_overtake_each_other() {
     let (n, _) = link.write(&[IoSlice::new(b"ring")]).unwrap();
     assert_eq!(n, 4);
     assert!(
-        link.lane_send(&head(1), b"x").unwrap().is_none(),
+        link.lane_send(&head(1), b"x", None).unwrap().is_none(),
         "unread ring bytes come first"
     );
     link.read(&mut [0u8; 4]).unwrap();
-    assert!(link.lane_send(&head(1), b"x").unwrap().is_some());
+    assert!(link.lane_send(&head(1), b"x", None).unwrap().is_some());
     assert_eq!(
         link.write(&[IoSlice::new(b"x")]).unwrap().0,
         0,
@@ -190,8 +199,12 @@ fn lane_and_ring_never_overtake_each_other() {
 fn answers_reach_the_producer() {
     let link = pair(4096);
     let watch = link.watch();
-    let (a, _) = link.lane_send(&head(1), &payload(1, 300)).unwrap().unwrap();
-    let (b, _) = link.lane_send(&head(2), b"").unwrap().unwrap();
+    let a = link
+        .lane_send(&head(1), &payload(1, 300), None)
+        .unwrap()
+        .unwrap()
+        .seq;
+    let b = link.lane_send(&head(2), b"", None).unwrap().unwrap().seq;
     assert_eq!((watch.answered(a), link.answered(b)), (None, None));
     assert!(watch.incoming() && !watch.ring_incoming());
     let mut h = [0u8; LANE_HEAD];
@@ -211,7 +224,7 @@ fn answers_reach_the_producer() {
 fn sleeping_consumer_is_rung_for_a_lane_message() {
     let link = pair(4096);
     assert!(!link.prepare_sleep(false));
-    let (_, ring) = link.lane_send(&head(1), b"x").unwrap().unwrap();
+    let ring = link.lane_send(&head(1), b"x", None).unwrap().unwrap().ring;
     assert!(ring, "a sleeping consumer must be rung");
     assert!(
         link.prepare_sleep(false),
@@ -226,24 +239,24 @@ fn lane_holds_exactly_its_slots_of_small_messages() {
         // Full with LANE_SLOTS messages, then refused.
         for k in 0..LANE_SLOTS {
             assert!(
-                link.lane_send(&head(round), &payload(k as u8, 8))
+                link.lane_send(&head(round), &payload(k as u8, 8), None)
                     .unwrap()
                     .is_some(),
                 "round {round}: message {k} refused with room"
             );
         }
         assert!(
-            link.lane_send(&head(round), b"x").unwrap().is_none(),
+            link.lane_send(&head(round), b"x", None).unwrap().is_none(),
             "full"
         );
         // One taken: exactly one more fits, in the slot just freed.
         let (_, h, data) = take(&link).unwrap();
         assert_eq!((h, data), (head(round), payload(0, 8)));
-        link.lane_send(&head(round), &payload(LANE_SLOTS as u8, 8))
+        link.lane_send(&head(round), &payload(LANE_SLOTS as u8, 8), None)
             .unwrap()
             .unwrap();
         assert!(
-            link.lane_send(&head(round), b"x").unwrap().is_none(),
+            link.lane_send(&head(round), b"x", None).unwrap().is_none(),
             "full again"
         );
         for k in 1..=LANE_SLOTS {
@@ -267,17 +280,21 @@ fn long_payloads_fill_the_pool_then_wait_for_room() {
     for round in 0..3u64 {
         for k in 0..fit {
             assert!(
-                link.lane_send(&head(1), &long(k)).unwrap().is_some(),
+                link.lane_send(&head(1), &long(k), None).unwrap().is_some(),
                 "round {round}: long message {k} refused with room"
             );
         }
-        assert!(link.lane_send(&head(1), &long(99)).unwrap().is_none());
+        assert!(link.lane_send(&head(1), &long(99), None).unwrap().is_none());
         // One taken: one more fits, where it lay; then the pool is full again, while a short
         // message still fits its slot.
         assert_eq!(take(&link).unwrap().2, long(0));
-        let (seq, _) = link.lane_send(&head(1), &long(100)).unwrap().unwrap();
-        assert!(link.lane_send(&head(1), &long(99)).unwrap().is_none());
-        link.lane_send(&head(2), b"short").unwrap().unwrap();
+        let seq = link
+            .lane_send(&head(1), &long(100), None)
+            .unwrap()
+            .unwrap()
+            .seq;
+        assert!(link.lane_send(&head(1), &long(99), None).unwrap().is_none());
+        link.lane_send(&head(2), b"short", None).unwrap().unwrap();
         // Nothing was overwritten: everything comes out whole, in order.
         for k in 1..fit {
             assert_eq!(take(&link).unwrap().2, long(k), "round {round}: {k}");
@@ -294,7 +311,7 @@ fn a_wrapped_pool_payload_stops_short_of_the_oldest() {
     let link = pair(4096);
     let fit = (POOL / LANE_MAX) as u8;
     for k in 0..fit {
-        link.lane_send(&head(1), &payload(k, LANE_MAX))
+        link.lane_send(&head(1), &payload(k, LANE_MAX), None)
             .unwrap()
             .unwrap();
     }
@@ -303,11 +320,13 @@ fn a_wrapped_pool_payload_stops_short_of_the_oldest() {
     take(&link).unwrap();
     let mid = SPREAD_MAX + 64;
     for k in [100, 101] {
-        link.lane_send(&head(1), &payload(k, mid)).unwrap().unwrap();
+        link.lane_send(&head(1), &payload(k, mid), None)
+            .unwrap()
+            .unwrap();
     }
     // 2 * 576 + 960 bytes would reach one line into it.
     assert!(link
-        .lane_send(&head(1), &payload(102, LANE_MAX - 64))
+        .lane_send(&head(1), &payload(102, LANE_MAX - 64), None)
         .unwrap()
         .is_none());
     for k in 2..fit {
@@ -325,7 +344,7 @@ fn a_ping_pong_reuses_the_start_of_the_pool() {
     let link = pair(4096);
     for k in 0..3 * LANE_SLOTS {
         let data = payload(k as u8, SPREAD_MAX + 1 + k as usize);
-        link.lane_send(&head(1), &data).unwrap().unwrap();
+        link.lane_send(&head(1), &data, None).unwrap().unwrap();
         let (m, _, got) = take_answering(&link, Some(k % 3 == 0)).unwrap();
         assert_eq!((pool_offset(&link, m), got), (0, data), "message {k}");
     }
@@ -334,7 +353,7 @@ fn a_ping_pong_reuses_the_start_of_the_pool() {
     let mut at = Vec::new();
     for k in 0..2 * LANE_SLOTS {
         let data = payload(k as u8, LANE_MAX);
-        link.lane_send(&head(1), &data).unwrap().unwrap();
+        link.lane_send(&head(1), &data, None).unwrap().unwrap();
         let (m, _, got) = take(&link).unwrap();
         assert_eq!(got, data);
         at.push(pool_offset(&link, m));
@@ -353,7 +372,7 @@ fn a_payload_never_reads_as_a_message() {
         let words: Vec<u8> = (round + 2..round + 2 + len as u64 / 8)
             .flat_map(|w| w.to_le_bytes())
             .collect();
-        link.lane_send(&head(1), &words).unwrap().unwrap();
+        link.lane_send(&head(1), &words, None).unwrap().unwrap();
         let (_, _, data) = take(&link).unwrap();
         assert_eq!(data, words);
         assert!(take(&link).is_none(), "round {round}: a phantom message");
@@ -363,7 +382,7 @@ fn a_payload_never_reads_as_a_message() {
 #[test]
 fn corrupt_lane_is_an_error() {
     let link = pair(4096);
-    link.lane_send(&head(1), b"x").unwrap().unwrap();
+    link.lane_send(&head(1), b"x", None).unwrap().unwrap();
     link.tx
         .atomic64(OFF_LANE_HEAD)
         .store(1 << 40, Ordering::Relaxed);
@@ -452,4 +471,136 @@ fn foreign_segments_are_refused() {
     let name = format!("{PREFIX}{}-foreign", std::process::id());
     std::fs::write(format!("{SHM_DIR}/{name}"), vec![0u8; 8192]).unwrap();
     assert!(open(&name).is_err());
+}
+
+/// A point-to-point key for the pre-acceptance tests.
+fn key(tag: u32, dtype: u8) -> LaneKey {
+    LaneKey {
+        key: 7 | u64::from(tag) << 32,
+        dtype,
+    }
+}
+
+#[test]
+fn a_posted_receive_takes_the_message_it_accepts() {
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8));
+    // A posted receive is not a message.
+    assert!(link.lane_peek(&mut [0u8; LANE_HEAD]).unwrap().is_none());
+    assert!(!link.watch().incoming());
+    let sent = link
+        .lane_send(&head(1), &payload(1, 8), Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(sent.pre, "accepted by the posted receive");
+    assert!(link.lane_mine());
+    // Ours to take: withdrawing fails.
+    assert!(!link.lane_withdraw());
+    let (m, h, data) = take(&link).unwrap();
+    assert!(m.pre);
+    assert_eq!((h, data), (head(1), payload(1, 8)));
+    // Nothing posted now, and no answer was written.
+    assert!(link.lane_withdraw());
+    assert_eq!(link.answered(sent.seq), None);
+}
+
+#[test]
+fn a_posted_receive_never_accepts_what_it_would_refuse() {
+    // Another tag, another type, too large: published as usual, to be answered.
+    for (offer, len) in [(key(4, 7), 8), (key(3, 5), 8), (key(3, 7), 9)] {
+        let link = pair(4096);
+        assert!(link.lane_post(key(3, 7), 8));
+        let sent = link
+            .lane_send(&head(1), &payload(1, len), Some(offer))
+            .unwrap()
+            .unwrap();
+        assert!(!sent.pre, "{offer:?}, {len} bytes");
+        assert!(!link.lane_mine());
+        // The message ended the post.
+        assert!(link.lane_withdraw());
+        let (m, _, data) = take(&link).unwrap();
+        assert!(!m.pre);
+        assert_eq!(data, payload(1, len));
+    }
+    // A message without a key (a scheduled one) is never pre-accepted either.
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8));
+    let sent = link.lane_send(&head(1), b"x", None).unwrap().unwrap();
+    assert!(!sent.pre);
+    assert!(link.lane_withdraw());
+    assert!(!take(&link).unwrap().0.pre);
+}
+
+#[test]
+fn a_raw_receive_accepts_any_type() {
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 0), LANE_MAX));
+    let sent = link
+        .lane_send(&head(1), &payload(1, LANE_MAX), Some(key(3, 5)))
+        .unwrap()
+        .unwrap();
+    assert!(sent.pre);
+    assert_eq!(take(&link).unwrap().2, payload(1, LANE_MAX));
+}
+
+#[test]
+fn a_withdrawn_receive_accepts_nothing() {
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_withdraw());
+    let sent = link
+        .lane_send(&head(1), &payload(1, 8), Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(!sent.pre);
+    let (m, h, _) = take(&link).unwrap();
+    assert_eq!((m.seq, m.pre, h), (sent.seq, false, head(1)));
+    // Posted again (for the next message) after a withdrawal: another word.
+    assert!(link.lane_post(key(3, 7), 8));
+    let first = link.rx_post.get().unwrap().word;
+    assert!(link.lane_withdraw());
+    assert!(link.lane_post(key(3, 7), 8));
+    assert_ne!(link.rx_post.get().unwrap().word, first);
+}
+
+#[test]
+fn a_receive_is_not_posted_over_a_message() {
+    let link = pair(4096);
+    link.lane_send(&head(1), b"x", Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(!link.lane_post(key(3, 7), 8));
+    assert!(link.lane_withdraw());
+    assert!(!take(&link).unwrap().0.pre);
+}
+
+#[test]
+fn a_disowned_message_is_taken_like_any_other() {
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8));
+    link.lane_send(&head(1), b"x", Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(!link.lane_withdraw());
+    assert!(link.lane_disown());
+    let (m, _, data) = take(&link).unwrap();
+    assert_eq!((m.pre, data), (false, b"x".to_vec()));
+}
+
+#[test]
+fn a_post_tells_the_producer_everything_was_taken() {
+    // A ping-pong of pool-sized messages whose answers never come (pre-accepted) still
+    // keeps to the pool's start: the post says the consumer took every earlier message.
+    let link = pair(4096);
+    let data = payload(9, LANE_MAX);
+    for _ in 0..3 {
+        assert!(link.lane_post(key(3, 7), LANE_MAX));
+        let sent = link
+            .lane_send(&head(1), &data, Some(key(3, 7)))
+            .unwrap()
+            .unwrap();
+        assert!(sent.pre);
+        let (m, _, got) = take(&link).unwrap();
+        assert_eq!((pool_offset(&link, m), got), (0, data.clone()));
+    }
 }

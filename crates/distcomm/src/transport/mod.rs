@@ -53,16 +53,13 @@ impl ShmLink {
     ) -> std::io::Result<Option<LaneSent>> {
         match *self {}
     }
-    pub fn lane_post(&self, _k: LaneKey, _cap: usize) -> bool {
+    pub fn lane_post(&self, _k: LaneKey, _cap: usize, _owner: u64) -> bool {
         match *self {}
     }
-    pub fn lane_withdraw(&self) -> bool {
+    pub fn lane_withdraw(&self, _owner: u64, _disown: bool) -> bool {
         match *self {}
     }
-    pub fn lane_mine(&self) -> bool {
-        match *self {}
-    }
-    pub fn lane_disown(&self) -> bool {
+    pub fn lane_held(&self) -> Option<u64> {
         match *self {}
     }
     pub fn lane_peek(
@@ -83,12 +80,12 @@ impl ShmLink {
 }
 
 /// A lane message found by `ShmLink::lane_peek`: its slot's sequence number (its id
-/// for the answer), its length, and whether the receive we posted accepted it already (its
-/// sender waits for no answer).
+/// for the answer), its length, and whether a receive posted for it accepted it already (its
+/// sender waits for no answer; 16 bytes in all: 24 cost 10-20 % of an 8-512 B ping-pong).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LaneMsg {
     pub seq: u64,
-    pub len: usize,
+    pub len: u32,
     pub pre: bool,
 }
 

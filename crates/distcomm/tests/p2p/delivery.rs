@@ -305,3 +305,83 @@ fn late_partners_of_blocking_calls() {
         }
     });
 }
+
+/// A receiver already waiting when messages come (a ping-pong's rhythm, where the
+/// shared-memory lane lets a waiting receive take its message before the sender waits for an
+/// answer): a large message sent first on a tag still reaches the first receive of that tag,
+/// ahead of the small one sent behind it, whatever calls receive them.
+#[test]
+fn a_waiting_receive_takes_messages_in_order() {
+    run(
+        "delivery::a_waiting_receive_takes_messages_in_order",
+        &[2],
+        |g| {
+            let peer = 1 - g.rank();
+            for round in 0..300u64 {
+                let big = pattern(round, 1500 + (round as usize % 3) * 40_000);
+                let small = pattern(round + 1000, 8);
+                if g.rank() == 0 {
+                    let mut go = [0u8];
+                    g.recv(&mut go, peer, 9).unwrap();
+                    let w = g.isend(big, peer, 5).unwrap();
+                    g.send(&small, peer, 5).unwrap();
+                    w.wait().unwrap();
+                } else {
+                    g.send(&[1u8], peer, 9).unwrap();
+                    let mut out = vec![0u8; 81_500];
+                    let got = if round % 2 == 0 {
+                        let st = g.recv(&mut out, peer, 5).unwrap();
+                        out.truncate(st.bytes);
+                        out
+                    } else {
+                        let w = g.irecv(out, peer, 5).unwrap();
+                        let n = w.wait().unwrap().bytes;
+                        let mut out = w.into_buffer().unwrap();
+                        out.truncate(n);
+                        out
+                    };
+                    assert!(got == big, "round {round}: the large message came second");
+                    let mut s = [0u8; 8];
+                    g.recv(&mut s, peer, 5).unwrap();
+                    assert_eq!(s.to_vec(), small, "round {round}");
+                }
+            }
+            g.barrier().unwrap();
+        },
+    );
+}
+
+/// Two threads receiving from one peer at once, each on its own tag, in a ping-pong's rhythm:
+/// each gets its own messages, in order.
+#[test]
+fn threads_receiving_from_one_peer_get_their_own_messages() {
+    run(
+        "delivery::threads_receiving_from_one_peer_get_their_own_messages",
+        &[2],
+        |g| {
+            const N: u64 = 500;
+            let peer = 1 - g.rank();
+            if g.rank() == 0 {
+                for i in 0..N {
+                    for tag in [5u32, 7] {
+                        g.send(&(i * 10 + u64::from(tag)).to_le_bytes(), peer, tag)
+                            .unwrap();
+                    }
+                }
+            } else {
+                std::thread::scope(|sc| {
+                    for tag in [5u32, 7] {
+                        sc.spawn(move || {
+                            for i in 0..N {
+                                let mut b = [0u8; 8];
+                                g.recv(&mut b, peer, tag).unwrap();
+                                assert_eq!(u64::from_le_bytes(b), i * 10 + u64::from(tag));
+                            }
+                        });
+                    }
+                });
+            }
+            g.barrier().unwrap();
+        },
+    );
+}

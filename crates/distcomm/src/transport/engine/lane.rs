@@ -7,6 +7,15 @@
 
 use super::*;
 
+/// What a receive posted in a lane takes: key (context, tag), element type, check word, and
+/// up to how many bytes.
+struct LanePost {
+    key: (u32, u32),
+    dtype: DType,
+    fp: Fingerprint,
+    cap: usize,
+}
+
 /// The lane's key of a point-to-point message.
 fn lane_key(ctx: u32, tag: u32, dtype: DType) -> LaneKey {
     LaneKey {
@@ -84,35 +93,36 @@ impl State {
         Some((sent.seq, sent.pre))
     }
 
-    /// Posts a receive of key `(ctx, tag)`, element type `dtype`, check word `fp` and up to
-    /// `cap` bytes in `p`'s lane, so that a message it accepts is taken by it at once, its
+    /// Posts receive `owner` (key `(ctx, tag)`, element type `dtype`, check word `fp`, up to
+    /// `cap` bytes) in `p`'s lane, so that a message it accepts is taken by it at once, its
     /// sender waiting for no answer (see `shm`). Only a point-to-point receive posts (a
     /// scheduled one checks more than the lane says).
-    fn lane_post(
-        &self,
-        p: usize,
-        (ctx, tag): (u32, u32),
-        dtype: DType,
-        fp: Fingerprint,
-        cap: usize,
-    ) {
-        if refusal::scheduled(fp) {
+    fn lane_post(&self, p: usize, r: LanePost, owner: u64) {
+        if refusal::scheduled(r.fp) {
             return;
         }
         if let Some((_, link)) = self.shm_link(p) {
-            let k = lane_key(ctx, tag, dtype);
+            let k = lane_key(r.key.0, r.key.1, r.dtype);
             // A raw receive takes any type.
-            let dtype = if dtype == DType::Bytes { 0 } else { k.dtype };
-            link.lane_post(LaneKey { dtype, ..k }, cap);
+            let dtype = if r.dtype == DType::Bytes { 0 } else { k.dtype };
+            link.lane_post(LaneKey { dtype, ..k }, r.cap, owner);
         }
     }
 
-    /// Withdraws the receive posted in `p`'s lane, if any (see [`ShmLink::lane_withdraw`]):
-    /// `false` when a message it accepted took its place first, unless `disown`: then that
-    /// message is left to the engine, like any other.
-    pub(super) fn lane_withdraw(&self, p: usize, disown: bool) -> bool {
+    /// Withdraws receive `owner`'s post in `p`'s lane, if it has one (see
+    /// [`ShmLink::lane_withdraw`]): `false` when a message it accepted took its place first,
+    /// unless `disown`: then that message is left to the engine, like any other.
+    pub(super) fn lane_withdraw(&self, p: usize, owner: u64, disown: bool) -> bool {
         self.shm_link(p)
-            .is_none_or(|(_, link)| link.lane_withdraw() || (disown && link.lane_disown()))
+            .is_none_or(|(_, link)| link.lane_withdraw(owner, disown))
+    }
+
+    /// Whether receive `owner` may take the head of `p`'s lane, and must: `Some(true)` when a
+    /// post of its own accepted it (whatever else came since), `Some(false)` when another
+    /// receive's post did (nobody else may take it), `None` otherwise.
+    fn lane_held_for(&self, p: usize, owner: u64) -> Option<bool> {
+        let held = self.shm_link(p)?.1.lane_held()?;
+        Some(held == owner)
     }
 
     /// The next message of `p`'s lane, if one is there, with its decoded header; nothing is
@@ -128,8 +138,13 @@ impl State {
         let Some(m) = link.lane_peek(&mut head).map_err(|e| e.to_string())? else {
             return Ok(None);
         };
-        let h = Header::decode_lane(&head, m.seq, m.len)
+        let mut h = Header::decode_lane(&head, m.seq, m.len as usize)
             .map_err(|e| format!("protocol violation: {}", e.0))?;
+        if m.pre {
+            // Its sender waits for no answer: never write one, whoever takes it (an answer
+            // written late would overwrite a later message's).
+            h.aux |= EAGER_NO_ACK;
+        }
         Ok(Some((h, m)))
     }
 
@@ -155,7 +170,11 @@ impl State {
     pub(super) fn pump_lane(&mut self, p: usize) -> std::result::Result<bool, String> {
         let mut any = false;
         while let Some((h, m)) = self.lane_peek(p)? {
-            if m.pre {
+            if m.pre
+                && self
+                    .shm_link(p)
+                    .is_some_and(|(_, l)| l.lane_held().is_some())
+            {
                 // Taken by the receive posted for it, whose caller spins for it.
                 break;
             }
@@ -181,7 +200,7 @@ impl State {
                 complete_recv(r, p, &h);
             }
             Matched::Unposted => {
-                let mut data = self.spare_temps.take_len(m.len);
+                let mut data = self.spare_temps.take_len(m.len as usize);
                 self.lane_copy(p, m, &mut data);
                 self.lane_release(p, m, false);
                 self.matcher.push_unexpected(Unexpected {
@@ -201,8 +220,8 @@ impl State {
     /// and releases its slot, answering "accepted" in the same step when its sender waits for
     /// an answer.
     fn lane_accept(&mut self, p: usize, h: &Header, m: LaneMsg, dst: &mut [u8]) {
-        self.lane_copy(p, m, &mut dst[..m.len]);
-        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0 && !m.pre);
+        self.lane_copy(p, m, &mut dst[..m.len as usize]);
+        self.lane_release(p, m, h.aux & EAGER_NO_ACK == 0);
     }
 
     /// Completes our lane sends to `p` whose answer word says accepted.
@@ -264,21 +283,29 @@ impl State {
         p: usize,
         env: &Envelope,
         out: &mut [u8],
+        owner: u64,
     ) -> LaneTake<Result<Status>> {
         let key = (env.ctx, env.tag);
-        // A message the receive posted below accepted is its own, whatever came since.
-        let mine = self.shm_link(p).is_some_and(|(_, link)| link.lane_mine());
-        if !mine
-            && (!self.lane_idle(p)
-                || self.matcher.posted_could_take(p, key)
-                || self.matcher.unexpected_from(p, key))
+        // A message the receive's post (below) accepted is its own, whatever came since.
+        let held = self.lane_held_for(p, owner);
+        if held == Some(false)
+            || held.is_none()
+                && (!self.lane_idle(p)
+                    || self.matcher.posted_could_take(p, key)
+                    || self.matcher.unexpected_from(p, key))
         {
             return LaneTake::Declined;
         }
         let (h, m) = match self.lane_next(p, key) {
             Ok(Some(msg)) => msg,
             Ok(None) => {
-                self.lane_post(p, key, env.dtype, env.fp, out.len());
+                let post = LanePost {
+                    key,
+                    dtype: env.dtype,
+                    fp: env.fp,
+                    cap: out.len(),
+                };
+                self.lane_post(p, post, owner);
                 return LaneTake::Empty;
             }
             Err(()) => return LaneTake::Declined,
@@ -291,7 +318,7 @@ impl State {
                 Ok(Status {
                     peer: p,
                     tag: env.tag,
-                    bytes: m.len,
+                    bytes: m.len as usize,
                 })
             }
             Err((e, reason)) => {
@@ -355,19 +382,30 @@ impl State {
         else {
             return LaneTake::Declined;
         };
-        let mine = self.shm_link(src).is_some_and(|(_, link)| link.lane_mine());
-        if !mine
-            && (!self.lane_idle(src)
-                || self.cancelled.contains(key)
-                || self.matcher.unexpected_from(src, key))
+        let held = self.lane_held_for(src, id);
+        if held == Some(false)
+            || held.is_none()
+                && (!self.lane_idle(src)
+                    || self.cancelled.contains(key)
+                    || self.matcher.unexpected_from(src, key))
         {
             return LaneTake::Declined;
         }
         let (h, m) = match self.lane_next(src, key) {
             Ok(Some(msg)) => msg,
             Ok(None) => {
+                // (Not while frames wait to be written: the caller leaves at once for the
+                // general wait.)
                 if let Some(r) = self.matcher.posted_at(at).filter(|r| r.id == id) {
-                    self.lane_post(src, key, r.dtype, r.fp, r.buf.bytes().len());
+                    let post = LanePost {
+                        key,
+                        dtype: r.dtype,
+                        fp: r.fp,
+                        cap: r.buf.bytes().len(),
+                    };
+                    if !self.backlog() {
+                        self.lane_post(src, post, id);
+                    }
                 }
                 return LaneTake::Empty;
             }
@@ -391,7 +429,7 @@ impl State {
                 let status = Status {
                     peer: src,
                     tag: h.tag,
-                    bytes: m.len,
+                    bytes: m.len as usize,
                 };
                 // Take what came behind it too, and write the replies those left queued, as a
                 // sweep would: the sender writes to its ring only once the lane is empty, and

@@ -583,8 +583,9 @@ impl Engine {
     ) -> Option<Result<Status>> {
         #[cfg(feature = "trace-messages")]
         trace_post("recv (lane)", self.sh.rank, Some(src), &env, out.len());
-        self.take_from_lane(src, FAST_SPIN, |st| {
-            (st.recv_from_lane(src, &env, out), false)
+        let owner = blocking_owner();
+        self.take_from_lane(src, FAST_SPIN, owner, |st| {
+            (st.recv_from_lane(src, &env, out, owner), false)
         })
     }
 
@@ -592,12 +593,13 @@ impl Engine {
     /// also says whether frames wait to be written), spinning up to `limit` (at most
     /// [`FAST_SPIN`]) once for one to come when the lane was empty. `None`: nothing was taken
     /// (declined, nothing came, ring bytes come first, or frames wait: the general wait writes
-    /// those). A receive `take` posted in the lane is withdrawn before that; when a message
-    /// took its place first, `take` gets it.
+    /// those). The post of receive `owner` (made by `take`) is withdrawn before that; when a
+    /// message it accepted took its place first, `take` gets it.
     fn take_from_lane<T>(
         &self,
         src: usize,
         limit: Duration,
+        owner: u64,
         mut take: impl FnMut(&mut State) -> (LaneTake<T>, bool),
     ) -> Option<T> {
         let watch = self.sh.watch.get(src)?.as_ref()?;
@@ -613,7 +615,7 @@ impl Engine {
             if !wait {
                 // A message the posted receive accepted is taken on the next round; should
                 // that decline it, the engine delivers it.
-                if self.sh.lock().lane_withdraw(src, disown) {
+                if self.sh.lock().lane_withdraw(src, owner, disown) {
                     return None;
                 }
                 disown = true;
@@ -625,6 +627,13 @@ impl Engine {
     }
 }
 
+/// The owner of this thread's blocking receive's post in a lane: unlike any receive's id
+/// (those count up from 1) and any other live thread's.
+fn blocking_owner() -> u64 {
+    thread_local!(static MARK: u8 = const { 0 });
+    MARK.with(|m| std::ptr::from_ref(m) as u64) | 1 << 63
+}
+
 impl Engine {
     /// The waiter of posted receive `id` takes its message itself when it is at the head of
     /// its source's lane or arrives there within a short spin ([`State::claim`]): from the
@@ -632,7 +641,7 @@ impl Engine {
     /// the completion cell. `None`: nothing was taken; wait the general way.
     pub(crate) fn claim(&self, id: u64, src: usize, limit: Duration) -> Option<(Status, BoxBuf)> {
         // Spinning here writes nothing: queued frames go out with the general wait.
-        self.take_from_lane(src, limit, |st| (st.claim(id), st.backlog()))
+        self.take_from_lane(src, limit, id, |st| (st.claim(id), st.backlog()))
     }
 }
 

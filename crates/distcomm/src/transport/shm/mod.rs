@@ -48,11 +48,17 @@
 //! accepts the message (same key, the type it expects, room for it), the new word also says
 //! *pre-accepted*, and the sender is done, no answer to wait for; otherwise the message is
 //! published as usual and answered. The receiver withdraws a post with a compare-and-swap of
-//! its own (it stops spinning), and one that fails means a message took the slot. So a refusal
-//! still fails both sides (a message that could be refused is never pre-accepted), and a
-//! ping-pong's sender does not wait for the line its answer comes in, which cost ~120 ns of an
-//! 8-byte half round trip with the vCPUs apart. The sender reads the word in the line it writes
-//! anyway; the key word lives there too, so the post costs no extra line transfer.
+//! its own (it stops spinning), and one that fails means a message it accepted took the slot:
+//! that receive takes it, nobody else. So a refusal still fails both sides (a message its
+//! receive would refuse is never pre-accepted), and a ping-pong's sender does not wait for the
+//! line its answer comes in, which cost ~120 ns of an 8-byte half round trip with the vCPUs
+//! apart. The sender reads the word in the line it writes anyway; the key word lives there
+//! too, so the post costs no extra line transfer. One receive posts at a time (the post names
+//! it); a message written after ring bytes is never pre-accepted (the receive may not know of
+//! what came by the ring); a post also tells the sender that every earlier message was taken.
+//! What is given up: a message pre-accepted by a receive that is then cancelled before it
+//! takes it (its handle dropped by another thread, say) is kept like any unexpected message,
+//! and a sender whose peer died with a post in place learns of the death at its next send.
 //!
 //! Large messages skip the ring: the sender announces the address of its buffer (`Rget`) and
 //! the receiver copies it straight into the posted receive with `process_vm_readv(2)` (Linux
@@ -171,7 +177,7 @@ const EPOCH_SHIFT: u32 = 32;
 const POST_SEQ_MASK: u64 = (1 << EPOCH_SHIFT) - 1;
 /// Answer word bit: the message was refused (a Nack frame on the ring says why).
 const ACK_REFUSED: u64 = 1 << 63;
-const MAGIC: u64 = 0x6469_7374_636f_6d35; // "distcom5"
+const MAGIC: u64 = 0x6469_7374_636f_6d36; // "distcom6"
 /// Each answer word has a cache line of its own: the producer reads the word of an old message
 /// (is it free?) while the consumer writes the newest one.
 const ACK_STRIDE: usize = 64;
@@ -188,12 +194,13 @@ const fn slot_index(seq: u64) -> usize {
 }
 
 /// A receive we posted in the lane: the message's sequence number, the word it replaced, the
-/// word posted.
+/// word posted, and the receive's id.
 #[derive(Debug, Clone, Copy)]
 struct Post {
     seq: u64,
     prev: u64,
     word: u64,
+    owner: u64,
 }
 
 /// Whether slot word `w` publishes message `seq` (and not a receive posted for it).
@@ -408,6 +415,9 @@ pub(crate) struct ShmLink {
     tx_lane_head: Cell<u64>,
     /// `tx`'s pool.
     pool: Box<Pool>,
+    /// Whether we wrote to `tx`'s ring since our last lane message: the next one is then not
+    /// pre-accepted (the receive posted for it may not know what came by the ring).
+    tx_ring_since_lane: Cell<bool>,
     /// Lane messages taken from `rx`.
     rx_lane: Cell<u64>,
     /// The receive we posted in `rx`'s lane, if any, and how many we posted.
@@ -432,6 +442,7 @@ impl ShmLink {
                 next: Cell::new(0),
                 used: RefCell::new(VecDeque::with_capacity(LANE_SLOTS as usize)),
             }),
+            tx_ring_since_lane: Cell::new(false),
             rx_lane: Cell::new(0),
             rx_post: Cell::new(None),
             rx_posts: Cell::new(0),
@@ -592,6 +603,8 @@ impl ShmLink {
             copy_raw(dst, payload.as_ptr(), len);
         }
         let word = seq & SEQ_MASK | (len as u64) << LEN_SHIFT;
+        // After ring bytes, the receive posted here may not know of all that came before.
+        let may = !self.tx_ring_since_lane.replace(false);
         let pre = match offer {
             None => {
                 // A receive posted here is replaced all the same: its receiver, withdrawing,
@@ -600,7 +613,7 @@ impl ShmLink {
                 false
             }
             Some(k) => loop {
-                let pre = r.accepts(now, seq, k, len);
+                let pre = may && r.accepts(now, seq, k, len);
                 let new = word | if pre { PRE_ACCEPTED } else { 0 };
                 match slot.compare_exchange_weak(now, new, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => break pre,
@@ -660,25 +673,29 @@ impl ShmLink {
         // SAFETY: the slot's body has LANE_HEAD bytes; the producer wrote them before
         // publishing `seq` (acquired above) and keeps off until we release the message.
         unsafe { std::ptr::copy_nonoverlapping(r.slot_body(seq), head.as_mut_ptr(), LANE_HEAD) };
-        // Pre-accepted only by the receive we posted for it.
-        let pre = word & PRE_ACCEPTED != 0 && self.posted_for(seq);
-        Ok(Some(LaneMsg { seq, len, pre }))
+        Ok(Some(LaneMsg {
+            seq,
+            len: len as u32,
+            pre: word & PRE_ACCEPTED != 0,
+        }))
     }
 
-    /// Whether we posted a receive for lane message `seq` (taken by a message now, or still
-    /// waiting).
-    fn posted_for(&self, seq: u64) -> bool {
-        self.rx_post.get().is_some_and(|p| p.seq == seq)
+    /// The owner of the receive posted for the next lane message, when that message is there
+    /// and the post accepted it: the message is that receive's to take.
+    pub fn lane_held(&self) -> Option<u64> {
+        let p = self.rx_post.get()?;
+        let w = self.rx.slot_seq(p.seq).load(Ordering::Acquire);
+        (publishes(w, p.seq) && w & PRE_ACCEPTED != 0).then_some(p.owner)
     }
 
-    /// Posts a receive taking `k` (up to `cap` bytes) for the next lane message (see the module
-    /// documentation), unless that message is there already or a receive is posted. Returns
-    /// whether a receive is posted now.
-    pub fn lane_post(&self, k: LaneKey, cap: usize) -> bool {
-        let seq = self.rx_lane.get() + 1;
-        if self.posted_for(seq) {
-            return true;
+    /// Posts receive `owner` (an id no other receive has), taking `k` and up to `cap` bytes,
+    /// for the next lane message (see the module documentation), unless that message is there
+    /// already or another receive posted first. Returns whether `owner`'s post is there.
+    pub fn lane_post(&self, k: LaneKey, cap: usize, owner: u64) -> bool {
+        if let Some(p) = self.rx_post.get() {
+            return p.owner == owner;
         }
+        let seq = self.rx_lane.get() + 1;
         let r = &self.rx;
         let slot = r.slot_seq(seq);
         let prev = slot.load(Ordering::Acquire);
@@ -700,35 +717,25 @@ impl ShmLink {
             // The message came meanwhile.
             return false;
         }
-        self.rx_post.set(Some(Post { seq, prev, word }));
+        self.rx_post.set(Some(Post {
+            seq,
+            prev,
+            word,
+            owner,
+        }));
         true
     }
 
-    /// Forgets the receive we posted: a message it accepted is then taken like any other.
-    /// Returns `true`.
-    pub fn lane_disown(&self) -> bool {
-        self.rx_post.set(None);
-        true
-    }
-
-    /// Whether the next lane message is there, and accepted by the receive we posted for it.
-    pub fn lane_mine(&self) -> bool {
-        self.rx_post.get().is_some_and(|p| {
-            let w = self.rx.slot_seq(p.seq).load(Ordering::Acquire);
-            publishes(w, p.seq) && w & PRE_ACCEPTED != 0
-        })
-    }
-
-    /// Withdraws the receive we posted, if any. Returns `false` when a message it accepted
-    /// took its slot first: that message is the receive's to take. (A message it did not
-    /// accept ends the post just the same.)
-    pub fn lane_withdraw(&self) -> bool {
-        let Some(p) = self.rx_post.get() else {
+    /// Withdraws `owner`'s post, if it has one. Returns `false` when a message it accepted
+    /// took its slot first: that message is the receive's to take, unless `disown`: then it
+    /// is taken like any other. (A message the post did not accept ends it just the same.)
+    pub fn lane_withdraw(&self, owner: u64, disown: bool) -> bool {
+        let Some(p) = self.rx_post.get().filter(|p| p.owner == owner) else {
             return true;
         };
         let slot = self.rx.slot_seq(p.seq);
         match slot.compare_exchange(p.word, p.prev, Ordering::AcqRel, Ordering::Acquire) {
-            Err(w) if publishes(w, p.seq) && w & PRE_ACCEPTED != 0 => false,
+            Err(w) if !disown && publishes(w, p.seq) && w & PRE_ACCEPTED != 0 => false,
             _ => {
                 self.rx_post.set(None);
                 true
@@ -741,8 +748,8 @@ impl ShmLink {
     pub fn lane_copy(&self, m: LaneMsg, dst: &mut [u8]) {
         // `lane_peek` bounds the message already; bounded again (`lane_payload` cuts it at
         // the end of the area) so that no `LaneMsg` can make this copy leave its place.
-        let (src, room) = self.rx.lane_payload(m.seq, m.len);
-        let len = m.len.min(dst.len()).min(room);
+        let (src, room) = self.rx.lane_payload(m.seq, m.len as usize);
+        let len = (m.len as usize).min(dst.len()).min(room);
         // SAFETY: the payload's place has room for `len` bytes, which the producer wrote
         // before publishing `m` (checked by `lane_peek`) and leaves untouched until we release
         // it; `dst` has `len` bytes.
@@ -756,7 +763,7 @@ impl ShmLink {
         if let Some(refused) = answer {
             self.answer_word(m.seq, refused);
         }
-        if self.posted_for(m.seq) {
+        if self.rx_post.get().is_some_and(|p| p.seq == m.seq) {
             self.rx_post.set(None);
         }
         self.rx_lane.set(m.seq);
@@ -811,6 +818,7 @@ impl ShmLink {
         if written == 0 {
             return Ok((0, false));
         }
+        self.tx_ring_since_lane.set(true);
         r.atomic64(OFF_TAIL).store(pos, Ordering::Release);
         Ok((written, self.consumer_asleep()))
     }

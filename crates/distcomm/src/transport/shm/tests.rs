@@ -77,7 +77,7 @@ fn take_answering(
 ) -> Option<(LaneMsg, [u8; LANE_HEAD], Vec<u8>)> {
     let mut h = [0u8; LANE_HEAD];
     let m = link.lane_peek(&mut h).unwrap()?;
-    let mut data = vec![0u8; m.len];
+    let mut data = vec![0u8; m.len as usize];
     link.lane_copy(m, &mut data);
     link.lane_release(m, answer);
     Some((m, h, data))
@@ -105,7 +105,7 @@ fn lane_keeps_order_and_sizes() {
     let take_oldest = |sent: &mut std::collections::VecDeque<(u64, u8, usize)>| {
         let (seq, tag, len) = sent.pop_front().unwrap();
         let (m, h, data) = take(&link).unwrap();
-        assert_eq!((m.seq, m.len), (seq, len));
+        assert_eq!((m.seq, m.len as usize), (seq, len));
         assert_eq!((h, data), (head(tag), payload(tag, len)));
     };
     for wave in 0..20u8 {
@@ -481,26 +481,33 @@ fn key(tag: u32, dtype: u8) -> LaneKey {
     }
 }
 
+/// The owners of posts in these tests.
+const A: u64 = 1;
+const B: u64 = 2;
+
 #[test]
 fn a_posted_receive_takes_the_message_it_accepts() {
     let link = pair(4096);
-    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_post(key(3, 7), 8, A));
     // A posted receive is not a message.
     assert!(link.lane_peek(&mut [0u8; LANE_HEAD]).unwrap().is_none());
     assert!(!link.watch().incoming());
+    assert_eq!(link.lane_held(), None);
     let sent = link
         .lane_send(&head(1), &payload(1, 8), Some(key(3, 7)))
         .unwrap()
         .unwrap();
     assert!(sent.pre, "accepted by the posted receive");
-    assert!(link.lane_mine());
-    // Ours to take: withdrawing fails.
-    assert!(!link.lane_withdraw());
+    assert_eq!(link.lane_held(), Some(A));
+    // Ours to take: withdrawing fails, and another receive's withdrawal does nothing.
+    assert!(link.lane_withdraw(B, false));
+    assert!(!link.lane_withdraw(A, false));
     let (m, h, data) = take(&link).unwrap();
     assert!(m.pre);
     assert_eq!((h, data), (head(1), payload(1, 8)));
     // Nothing posted now, and no answer was written.
-    assert!(link.lane_withdraw());
+    assert_eq!(link.lane_held(), None);
+    assert!(link.lane_withdraw(A, false));
     assert_eq!(link.answered(sent.seq), None);
 }
 
@@ -509,32 +516,32 @@ fn a_posted_receive_never_accepts_what_it_would_refuse() {
     // Another tag, another type, too large: published as usual, to be answered.
     for (offer, len) in [(key(4, 7), 8), (key(3, 5), 8), (key(3, 7), 9)] {
         let link = pair(4096);
-        assert!(link.lane_post(key(3, 7), 8));
+        assert!(link.lane_post(key(3, 7), 8, A));
         let sent = link
             .lane_send(&head(1), &payload(1, len), Some(offer))
             .unwrap()
             .unwrap();
         assert!(!sent.pre, "{offer:?}, {len} bytes");
-        assert!(!link.lane_mine());
+        assert_eq!(link.lane_held(), None);
         // The message ended the post.
-        assert!(link.lane_withdraw());
+        assert!(link.lane_withdraw(A, false));
         let (m, _, data) = take(&link).unwrap();
         assert!(!m.pre);
         assert_eq!(data, payload(1, len));
     }
     // A message without a key (a scheduled one) is never pre-accepted either.
     let link = pair(4096);
-    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_post(key(3, 7), 8, A));
     let sent = link.lane_send(&head(1), b"x", None).unwrap().unwrap();
     assert!(!sent.pre);
-    assert!(link.lane_withdraw());
+    assert!(link.lane_withdraw(A, false));
     assert!(!take(&link).unwrap().0.pre);
 }
 
 #[test]
 fn a_raw_receive_accepts_any_type() {
     let link = pair(4096);
-    assert!(link.lane_post(key(3, 0), LANE_MAX));
+    assert!(link.lane_post(key(3, 0), LANE_MAX, A));
     let sent = link
         .lane_send(&head(1), &payload(1, LANE_MAX), Some(key(3, 5)))
         .unwrap()
@@ -546,8 +553,8 @@ fn a_raw_receive_accepts_any_type() {
 #[test]
 fn a_withdrawn_receive_accepts_nothing() {
     let link = pair(4096);
-    assert!(link.lane_post(key(3, 7), 8));
-    assert!(link.lane_withdraw());
+    assert!(link.lane_post(key(3, 7), 8, A));
+    assert!(link.lane_withdraw(A, false));
     let sent = link
         .lane_send(&head(1), &payload(1, 8), Some(key(3, 7)))
         .unwrap()
@@ -556,11 +563,28 @@ fn a_withdrawn_receive_accepts_nothing() {
     let (m, h, _) = take(&link).unwrap();
     assert_eq!((m.seq, m.pre, h), (sent.seq, false, head(1)));
     // Posted again (for the next message) after a withdrawal: another word.
-    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_post(key(3, 7), 8, A));
     let first = link.rx_post.get().unwrap().word;
-    assert!(link.lane_withdraw());
-    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_withdraw(A, false));
+    assert!(link.lane_post(key(3, 7), 8, A));
     assert_ne!(link.rx_post.get().unwrap().word, first);
+}
+
+#[test]
+fn one_receive_posts_at_a_time() {
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8, A));
+    assert!(link.lane_post(key(3, 7), 8, A), "posted already");
+    assert!(!link.lane_post(key(4, 7), 8, B), "A's post is there");
+    // B's message is not pre-accepted by A's post, and ends it.
+    let sent = link
+        .lane_send(&head(2), b"b", Some(key(4, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(!sent.pre);
+    assert!(link.lane_withdraw(A, false));
+    take(&link).unwrap();
+    assert!(link.lane_post(key(4, 7), 8, B));
 }
 
 #[test]
@@ -569,22 +593,47 @@ fn a_receive_is_not_posted_over_a_message() {
     link.lane_send(&head(1), b"x", Some(key(3, 7)))
         .unwrap()
         .unwrap();
-    assert!(!link.lane_post(key(3, 7), 8));
-    assert!(link.lane_withdraw());
+    assert!(!link.lane_post(key(3, 7), 8, A));
+    assert!(link.lane_withdraw(A, false));
     assert!(!take(&link).unwrap().0.pre);
+}
+
+#[test]
+fn a_message_after_ring_bytes_is_not_pre_accepted() {
+    // The receive posted may not know what came by the ring since the last lane message.
+    let link = pair(4096);
+    assert!(link.lane_post(key(3, 7), 8, A));
+    link.write(&[IoSlice::new(b"frame")]).unwrap();
+    link.read(&mut [0u8; 16]).unwrap();
+    let sent = link
+        .lane_send(&head(1), b"x", Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(!sent.pre);
+    assert!(link.lane_withdraw(A, false));
+    take(&link).unwrap();
+    // The next one may be again.
+    assert!(link.lane_post(key(3, 7), 8, A));
+    let sent = link
+        .lane_send(&head(1), b"y", Some(key(3, 7)))
+        .unwrap()
+        .unwrap();
+    assert!(sent.pre);
 }
 
 #[test]
 fn a_disowned_message_is_taken_like_any_other() {
     let link = pair(4096);
-    assert!(link.lane_post(key(3, 7), 8));
+    assert!(link.lane_post(key(3, 7), 8, A));
     link.lane_send(&head(1), b"x", Some(key(3, 7)))
         .unwrap()
         .unwrap();
-    assert!(!link.lane_withdraw());
-    assert!(link.lane_disown());
+    assert!(!link.lane_withdraw(A, false));
+    assert!(link.lane_withdraw(A, true));
+    assert_eq!(link.lane_held(), None);
     let (m, _, data) = take(&link).unwrap();
-    assert_eq!((m.pre, data), (false, b"x".to_vec()));
+    // Still a message whose sender waits for no answer.
+    assert_eq!((m.pre, data), (true, b"x".to_vec()));
 }
 
 #[test]
@@ -594,7 +643,7 @@ fn a_post_tells_the_producer_everything_was_taken() {
     let link = pair(4096);
     let data = payload(9, LANE_MAX);
     for _ in 0..3 {
-        assert!(link.lane_post(key(3, 7), LANE_MAX));
+        assert!(link.lane_post(key(3, 7), LANE_MAX, A));
         let sent = link
             .lane_send(&head(1), &data, Some(key(3, 7)))
             .unwrap()

@@ -208,6 +208,11 @@ const fn publishes(w: u64, seq: u64) -> bool {
     w & POSTED == 0 && w & SEQ_MASK == seq & SEQ_MASK
 }
 
+/// Whether slot word `w` is a receive posted for message `seq`.
+const fn posted_for(w: u64, seq: u64) -> bool {
+    w & POSTED != 0 && w & POST_SEQ_MASK == seq & POST_SEQ_MASK
+}
+
 /// One mapped ring.
 struct Ring {
     map: MmapRaw,
@@ -293,8 +298,7 @@ impl Ring {
     /// `len` bytes with key `k` (the key word read after the word was acquired).
     fn accepts(&self, w: u64, seq: u64, k: LaneKey, len: usize) -> bool {
         let dtype = (w >> DTYPE_SHIFT) as u8 & 0xf;
-        w & POSTED != 0
-            && w & POST_SEQ_MASK == seq & POST_SEQ_MASK
+        posted_for(w, seq)
             && len as u64 <= (w >> LEN_SHIFT) & LEN_MASK
             && (dtype == 0 || dtype == k.dtype)
             && self.slot_key(seq).load(Ordering::Relaxed) == k.key
@@ -571,7 +575,7 @@ impl ShmLink {
         let mut now = 0;
         if offer.is_some() && len <= LANE_MAX {
             now = slot.load(Ordering::Acquire);
-            if now & POSTED != 0 && now & POST_SEQ_MASK == seq & POST_SEQ_MASK {
+            if posted_for(now, seq) {
                 self.tx_lane_head.set(self.tx_lane_head.get().max(seq - 1));
             }
         }

@@ -98,12 +98,14 @@ use crate::transport::{LaneKey, LaneMsg, LaneSent};
 use crate::transport::{ShmConfig, TransportKind};
 
 mod cma;
+mod post;
 mod segment;
 mod setup;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use cma::{cma_read, cma_write};
+use post::{posted_for, Post};
 pub(crate) use segment::Region;
 use segment::*;
 pub(crate) use setup::setup;
@@ -193,24 +195,9 @@ const fn slot_index(seq: u64) -> usize {
     (seq.wrapping_sub(1) % LANE_SLOTS) as usize
 }
 
-/// A receive we posted in the lane: the message's sequence number, the word it replaced, the
-/// word posted, and the receive's id.
-#[derive(Debug, Clone, Copy)]
-struct Post {
-    seq: u64,
-    prev: u64,
-    word: u64,
-    owner: u64,
-}
-
 /// Whether slot word `w` publishes message `seq` (and not a receive posted for it).
 const fn publishes(w: u64, seq: u64) -> bool {
     w & POSTED == 0 && w & SEQ_MASK == seq & SEQ_MASK
-}
-
-/// Whether slot word `w` is a receive posted for message `seq`.
-const fn posted_for(w: u64, seq: u64) -> bool {
-    w & POSTED != 0 && w & POST_SEQ_MASK == seq & POST_SEQ_MASK
 }
 
 /// One mapped ring.
@@ -287,21 +274,6 @@ impl Ring {
 
     fn slot_off(seq: u64) -> usize {
         OFF_SLOTS + slot_index(seq) * SLOT
-    }
-
-    /// The key word of lane slot `seq`.
-    fn slot_key(&self, seq: u64) -> &AtomicU64 {
-        self.atomic64(Self::slot_off(seq) + KEY_AT)
-    }
-
-    /// Whether slot word `w` is a receive posted for message `seq` that accepts a message of
-    /// `len` bytes with key `k` (the key word read after the word was acquired).
-    fn accepts(&self, w: u64, seq: u64, k: LaneKey, len: usize) -> bool {
-        let dtype = (w >> DTYPE_SHIFT) as u8 & 0xf;
-        posted_for(w, seq)
-            && len as u64 <= (w >> LEN_SHIFT) & LEN_MASK
-            && (dtype == 0 || dtype == k.dtype)
-            && self.slot_key(seq).load(Ordering::Relaxed) == k.key
     }
 
     /// The body of lane slot `seq`.
@@ -573,7 +545,7 @@ impl ShmLink {
         // A receive posted for this message says that the consumer took every earlier one (so
         // a ping-pong's payloads keep to the pool's first lines without an answer).
         let mut now = 0;
-        if offer.is_some() && len <= LANE_MAX {
+        if offer.is_some() {
             now = slot.load(Ordering::Acquire);
             if posted_for(now, seq) {
                 self.tx_lane_head.set(self.tx_lane_head.get().max(seq - 1));
@@ -682,69 +654,6 @@ impl ShmLink {
             len: len as u32,
             pre: word & PRE_ACCEPTED != 0,
         }))
-    }
-
-    /// The owner of the receive posted for the next lane message, when that message is there
-    /// and the post accepted it: the message is that receive's to take.
-    pub fn lane_held(&self) -> Option<u64> {
-        let p = self.rx_post.get()?;
-        let w = self.rx.slot_seq(p.seq).load(Ordering::Acquire);
-        (publishes(w, p.seq) && w & PRE_ACCEPTED != 0).then_some(p.owner)
-    }
-
-    /// Posts receive `owner` (an id no other receive has), taking `k` and up to `cap` bytes,
-    /// for the next lane message (see the module documentation), unless that message is there
-    /// already or another receive posted first. Returns whether `owner`'s post is there.
-    pub fn lane_post(&self, k: LaneKey, cap: usize, owner: u64) -> bool {
-        if let Some(p) = self.rx_post.get() {
-            return p.owner == owner;
-        }
-        let seq = self.rx_lane.get() + 1;
-        let r = &self.rx;
-        let slot = r.slot_seq(seq);
-        let prev = slot.load(Ordering::Acquire);
-        if publishes(prev, seq) {
-            return false;
-        }
-        let n = self.rx_posts.get().wrapping_add(1);
-        self.rx_posts.set(n);
-        let word = POSTED
-            | u64::from(k.dtype & 0xf) << DTYPE_SHIFT
-            | (cap.min(LANE_MAX) as u64) << LEN_SHIFT
-            | u64::from(n) << EPOCH_SHIFT
-            | seq & POST_SEQ_MASK;
-        r.slot_key(seq).store(k.key, Ordering::Relaxed);
-        if slot
-            .compare_exchange(prev, word, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            // The message came meanwhile.
-            return false;
-        }
-        self.rx_post.set(Some(Post {
-            seq,
-            prev,
-            word,
-            owner,
-        }));
-        true
-    }
-
-    /// Withdraws `owner`'s post, if it has one. Returns `false` when a message it accepted
-    /// took its slot first: that message is the receive's to take, unless `disown`: then it
-    /// is taken like any other. (A message the post did not accept ends it just the same.)
-    pub fn lane_withdraw(&self, owner: u64, disown: bool) -> bool {
-        let Some(p) = self.rx_post.get().filter(|p| p.owner == owner) else {
-            return true;
-        };
-        let slot = self.rx.slot_seq(p.seq);
-        match slot.compare_exchange(p.word, p.prev, Ordering::AcqRel, Ordering::Acquire) {
-            Err(w) if !disown && publishes(w, p.seq) && w & PRE_ACCEPTED != 0 => false,
-            _ => {
-                self.rx_post.set(None);
-                true
-            }
-        }
     }
 
     /// Copies the payload of message `m` (from [`lane_peek`](Self::lane_peek), not yet

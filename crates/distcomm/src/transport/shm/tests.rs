@@ -425,11 +425,19 @@ fn cma_writes_our_own_memory() {
     assert_eq!(src, dst);
 }
 
-/// Reads and writes at every skew of the two buffers within a page (those 1-31 bytes apart go
-/// through a bounce buffer, in pieces), of lengths across the pieces' bounds, move exactly
-/// the bytes asked and nothing around them.
+/// Reads and writes at every skew of the two buffers within a page, by the kernel's copy
+/// alone, through the bounce buffer (in pieces) and as [`cma_read`]/[`cma_write`] choose
+/// between the two, of lengths across the pieces' bounds, move exactly the bytes asked and
+/// nothing around them.
 #[test]
 fn cma_copies_at_every_skew_exactly() {
+    type Read = fn(i32, u64, &mut [u8]) -> io::Result<()>;
+    type Write = fn(i32, u64, &[u8]) -> io::Result<()>;
+    let ways: [(&str, Read, Write); 3] = [
+        ("chosen", cma_read, cma_write),
+        ("bounced", cma::read_bounced, cma::write_bounced),
+        ("straight", cma::read_raw, cma::write_raw),
+    ];
     let pid = std::process::id() as i32;
     let src: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + 5) as u8).collect();
     let from = src[5..].as_ptr() as usize;
@@ -438,31 +446,36 @@ fn cma_copies_at_every_skew_exactly() {
         let want = (from + skew) % 4096;
         1 + (want + 4096 - (buf[1..].as_ptr() as usize % 4096)) % 4096
     };
-    for skew in [0usize, 1, 8, 16, 31, 32, 33, 4095] {
-        for len in [0usize, 1, 100, 4096, 65_536, 65_537, 200_003] {
-            let mut dst = vec![0xAAu8; len + 4096 + 2];
-            let at = place(&dst, skew);
-            cma_read(pid, from as u64, &mut dst[at..at + len]).unwrap();
-            assert_eq!(
-                &dst[at..at + len],
-                &src[5..5 + len],
-                "read skew {skew} len {len}"
-            );
-            assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0xAA));
-            let mut back = vec![0x55u8; len + 4096 + 2];
-            let at = place(&back, skew);
-            let to = back[at..].as_mut_ptr() as u64;
-            cma_write(pid, to, &src[5..5 + len]).unwrap();
-            assert_eq!(
-                &back[at..at + len],
-                &src[5..5 + len],
-                "write skew {skew} len {len}"
-            );
-            assert!(back[..at]
-                .iter()
-                .chain(&back[at + len..])
-                .all(|&b| b == 0x55));
+    for (way, read, write) in ways {
+        for skew in [0usize, 1, 8, 16, 31, 32, 33, 4095] {
+            for len in [0usize, 1, 100, 4096, 65_536, 65_537, 200_003] {
+                let what = format!("{way} skew {skew} len {len}");
+                let mut dst = vec![0xAAu8; len + 4096 + 2];
+                let at = place(&dst, skew);
+                read(pid, from as u64, &mut dst[at..at + len]).unwrap();
+                assert_eq!(&dst[at..at + len], &src[5..5 + len], "read {what}");
+                assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0xAA));
+                let mut back = vec![0x55u8; len + 4096 + 2];
+                let at = place(&back, skew);
+                let to = back[at..].as_mut_ptr() as u64;
+                write(pid, to, &src[5..5 + len]).unwrap();
+                assert_eq!(&back[at..at + len], &src[5..5 + len], "write {what}");
+                assert!(back[..at]
+                    .iter()
+                    .chain(&back[at + len..])
+                    .all(|&b| b == 0x55));
+            }
         }
+    }
+}
+
+/// The skew probe times both reads (a cross-memory copy into this process works wherever
+/// the tests run, whatever Yama says: it is the process's own memory).
+#[test]
+fn the_skew_probe_times_both_reads() {
+    for skew in [8, 24] {
+        let (straight, skewed) = cma::time_skews(skew).expect("reads into our own memory");
+        assert!(straight > std::time::Duration::ZERO && skewed > std::time::Duration::ZERO);
     }
 }
 

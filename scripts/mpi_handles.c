@@ -4,6 +4,8 @@
 // (time = half a round trip, mean over the timed loop), so scripts/compare.py reads either.
 // Build: mpicc -O2 -o /tmp/mpi_handles scripts/mpi_handles.c
 // Run:   mpirun --allow-run-as-root -n 2 /tmp/mpi_handles
+// With -DTHREAD_MULTIPLE it asks for MPI_THREAD_MULTIPLE (every call safe from any thread, as
+// distcomm's handles always are) and fails if the library does not give it.
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,7 +14,16 @@
 static int iters_for(long n) { return n <= 1024 ? 20000 : n <= 65536 ? 2000 : n <= (1 << 20) ? 200 : 10; }
 
 int main(int argc, char **argv) {
+#ifdef THREAD_MULTIPLE
+  int provided;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  if (provided != MPI_THREAD_MULTIPLE) {
+    fprintf(stderr, "MPI_THREAD_MULTIPLE not provided (%d)\n", provided);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+#else
   MPI_Init(&argc, &argv);
+#endif
   int rank, world;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);

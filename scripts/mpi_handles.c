@@ -18,7 +18,10 @@ int main(int argc, char **argv) {
   int provided;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   if (provided != MPI_THREAD_MULTIPLE) {
-    fprintf(stderr, "MPI_THREAD_MULTIPLE not provided (%d)\n", provided);
+    fprintf(stderr,
+            "mpi_handles: this MPI gives thread level %d, not MPI_THREAD_MULTIPLE (%d); use an MPI "
+            "built with thread support, or build without -DTHREAD_MULTIPLE\n",
+            provided, MPI_THREAD_MULTIPLE);
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
 #else
